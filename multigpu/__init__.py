@@ -1,0 +1,15 @@
+"""multigpu: data-parallel Keras 3 training across devices of any speed.
+
+Importing this package sets nothing and imports neither Keras nor torch.
+
+Example:
+    ```python
+    import multigpu
+    model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[3, 1])
+    ```
+"""
+
+from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, world_size
+
+__all__ = ["parallelize", "multi_gpu_model", "list_devices", "rank", "world_size"]
+__version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""The public entry points: ``parallelize`` and ``multi_gpu_model``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from multigpu import launch
+from multigpu.devices import Device, cuda_device_count, parse_devices, usable_cores
+
+__all__ = ["parallelize", "multi_gpu_model", "list_devices", "rank", "world_size"]
+
+DeviceSpec = str | int | Device
+
+
+def _check_backend() -> None:
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "torch":
+        raise RuntimeError(
+            "multigpu runs on Keras's torch backend. Set KERAS_BACKEND=torch "
+            "before Keras is imported (e.g. `KERAS_BACKEND=torch python train.py`). "
+            f"Received: backend={backend!r}"
+        )
+
+
+def _check_model(model) -> None:
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "multigpu.parallelize() takes a Keras 3 model (keras.Model, "
+            f"Sequential, functional or subclassed). Received: {type(model).__name__}"
+        )
+
+
+def parallelize(
+    model,
+    devices: str | DeviceSpec | Sequence[DeviceSpec] | None = None,
+    ratios: str | Sequence[float] | None = None,
+    *,
+    timeout: float | None = None,
+):
+    """Trains ``model`` data-parallel across ``devices``, one process each.
+
+    Call it once, after building the model and before ``compile``/``fit``.  In
+    a plain ``python train.py`` the first call starts one more process per
+    extra device by running the script again; this process becomes rank 0.
+    Under ``multigpu run`` or ``torchrun`` it joins the running group.
+
+    ``fit``'s ``batch_size`` is the global batch.  It is split across the
+    devices in proportion to ``ratios``, and gradients are combined weighted
+    by each device's share, so the result equals one device training on the
+    whole batch.
+
+    Args:
+        model: a Keras 3 model on the torch backend.
+        devices: ``"auto"`` (default: every GPU; on a CPU-only machine one
+            CPU device per core, at most 8), or a list such as ``[0, 1]``,
+            ``["cuda:0", "cuda:1"]`` or ``["cpu:0", "cpu:1@0.5"]``.
+        ratios: relative speed of each device, e.g. ``[3, 1]``; ``None`` gives
+            equal shares.
+        timeout: seconds a collective may wait for another rank before the
+            run fails (default 60).
+
+    Returns:
+        The same model object, now parallel.
+
+    Example:
+        ```python
+        model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[3, 1])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=256, epochs=3)
+        ```
+    """
+    _check_backend()
+    _check_model(model)
+    if getattr(model, "_multigpu_state", None) is not None:
+        raise ValueError(
+            "multigpu.parallelize() was already called on this model. Call it "
+            "once per model; the returned model is the same object."
+        )
+    if isinstance(ratios, str) and ratios != "auto":
+        raise ValueError(f"`ratios` must be a list of numbers, 'auto' or None. Received: ratios={ratios!r}")
+    runtime = launch.start(devices, ratios, timeout)
+    from multigpu.trainer import attach
+
+    attach(model, runtime)
+    return model
+
+
+def multi_gpu_model(model, gpus: int | Sequence[int] | None = None, ratios: Sequence[float] | None = None, **kwargs):
+    """Drop-in replacement for the old ``keras.utils.multi_gpu_model``.
+
+    Args:
+        model: the template model.
+        gpus: a number of GPUs (the first ``gpus``) or a list of GPU indices.
+            On a machine without GPUs, a number ``N`` gives ``N`` CPU devices.
+        ratios: relative batch share per GPU, as in the community patch
+            (e.g. ``[768, 560]``); ``None`` gives equal shares.
+        **kwargs: the old ``cpu_merge``/``cpu_relocation`` are accepted and
+            ignored (there is no merge: every device holds a full replica).
+
+    Returns:
+        The same model, parallel.  Save it directly: it is the template model.
+    """
+    unknown = set(kwargs) - {"cpu_merge", "cpu_relocation"}
+    if unknown:
+        raise TypeError(f"multi_gpu_model() got unexpected arguments: {sorted(unknown)}")
+    if gpus is None:
+        devices: object = "auto"
+    elif isinstance(gpus, int) and not isinstance(gpus, bool):
+        if gpus < 1:
+            raise ValueError(f"`gpus` must be at least 1. Received: gpus={gpus}")
+        kind = "cuda" if cuda_device_count() else "cpu"
+        devices = [f"{kind}:{i}" for i in range(gpus)]
+    else:
+        devices = list(gpus)
+    return parallelize(model, devices=devices, ratios=ratios)
+
+
+def list_devices() -> list[Device]:
+    """The devices this machine offers: every visible GPU, then its CPU cores.
+
+    Returns:
+        ``Device`` objects; their ``spec`` is what ``devices=`` accepts.
+    """
+    gpus = [Device("cuda", i) for i in range(cuda_device_count())]
+    cpus = [Device("cpu", i, 1.0, (c,)) for i, c in enumerate(usable_cores())]
+    return gpus + cpus
+
+
+def rank() -> int:
+    """This process's rank in the run (0 outside a parallel run)."""
+    return launch.rank()
+
+
+def world_size() -> int:
+    """The number of devices (processes) in the run (1 outside a run)."""
+    return launch.world_size()
+
+
+def _parse(devices) -> list[Device]:  # used by the command line
+    return parse_devices(devices)
+
+
+del os

@@ -1,0 +1,210 @@
+"""Device discovery and parsing of device specifications.
+
+A device is one process's compute: a CUDA GPU, or a set of CPU cores.  Users
+name devices the way Keras users already do:
+
+* ``0``, ``"0"``, ``"cuda:1"``, ``"gpu:1"``: a CUDA GPU by index;
+* ``"cpu"``, ``"cpu:0"``, ``"cpu:1"``: a CPU device.  The machine's cores are
+  split between the CPU devices in use, in the order they are listed;
+* ``"cpu:1@0.5"``: a CPU device limited to half of its cores' bandwidth (a
+  simulated slower device; see :mod:`multigpu.throttle`);
+* ``"auto"``: every visible GPU; on a machine without GPUs, one CPU device per
+  core, at most 8 (so a 2-core machine gets ``cpu:0`` and ``cpu:1``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Device", "parse_devices", "cuda_device_count", "usable_cores", "assign_cores"]
+
+_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9.eE+-]+))?$")
+_MAX_AUTO_CPU_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device that one process trains on.
+
+    Attributes:
+        kind: ``"cpu"`` or ``"cuda"``.
+        index: the GPU index, or the CPU device's number.
+        speed: fraction of the device's bandwidth to use (CPU only; 1.0 = all).
+        cores: the CPU cores this device is bound to (filled in by
+            :func:`assign_cores`; empty for GPUs).
+    """
+
+    kind: str
+    index: int
+    speed: float = 1.0
+    cores: tuple[int, ...] = field(default=(), compare=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def spec(self) -> str:
+        """The canonical spelling, e.g. ``"cuda:0"`` or ``"cpu:1@0.5"``."""
+        base = f"{self.kind}:{self.index}"
+        return base if self.speed == 1.0 else f"{base}@{self.speed:g}"
+
+    @property
+    def label(self) -> str:
+        """A short display name, e.g. ``"GPU:0"`` or ``"CPU:1@0.5"``."""
+        base = f"{'GPU' if self.is_cuda else 'CPU'}:{self.index}"
+        return base if self.speed == 1.0 else f"{base}@{self.speed:g}"
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def cuda_device_count() -> int:
+    """Number of visible CUDA GPUs (0 when torch has no CUDA)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return 0
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken driver means no usable GPU
+        return 0
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on, sorted."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _parse_one(item: object, num_gpus: int) -> Device:
+    if isinstance(item, Device):
+        return item
+    if isinstance(item, bool) or not isinstance(item, (int, str)):
+        raise ValueError(
+            "Each device must be a GPU index (0, 'cuda:1', 'gpu:1') or a CPU "
+            f"device ('cpu:0', 'cpu:1@0.5'). Received: {item!r} of type {type(item).__name__}"
+        )
+    text = str(item).strip().lower()
+    if text.isdigit():
+        text = f"cuda:{text}"
+    match = _SPEC.match(text)
+    if not match:
+        raise ValueError(
+            f"Unknown device {item!r}. Allowed: a GPU index (0, 'cuda:1', "
+            "'gpu:1'), a CPU device ('cpu', 'cpu:0', 'cpu:1@0.5' for a device "
+            "limited to half speed), or 'auto'."
+        )
+    kind = "cuda" if match["kind"] in ("cuda", "gpu") else "cpu"
+    index = int(match["index"] or 0)
+    speed = 1.0
+    if match["speed"] is not None:
+        if kind == "cuda":
+            raise ValueError(
+                f"A speed factor ('@F') is only allowed on CPU devices. Received: {item!r}"
+            )
+        try:
+            speed = float(match["speed"])
+        except ValueError:
+            speed = math.nan
+        if not (math.isfinite(speed) and 0 < speed <= 1):
+            raise ValueError(
+                f"The speed factor of {item!r} must be a number in (0, 1], "
+                "e.g. 'cpu:1@0.5' for half speed."
+            )
+    if kind == "cuda" and index >= num_gpus:
+        hint = (
+            " This machine has no GPU: use CPU devices such as 'cpu:0', 'cpu:1'."
+            if num_gpus == 0
+            else f" Visible GPUs: {', '.join(f'cuda:{i}' for i in range(num_gpus))}."
+        )
+        raise ValueError(f"Device {item!r} does not exist.{hint}")
+    return Device(kind, index, speed)
+
+
+def parse_devices(
+    devices: str | int | Sequence[str | int | Device] | None,
+    *,
+    num_gpus: int | None = None,
+) -> list[Device]:
+    """Turns a user's device specification into a list of devices.
+
+    Args:
+        devices: ``"auto"``/``None``, one device, or a sequence of devices.
+        num_gpus: visible GPUs (queried when ``None``).
+
+    Returns:
+        The devices, in rank order, without CPU cores assigned yet.
+
+    Raises:
+        ValueError: for unknown, malformed, missing or repeated devices.
+    """
+    if num_gpus is None:
+        num_gpus = cuda_device_count()
+    if devices is None or (isinstance(devices, str) and devices.strip().lower() == "auto"):
+        if num_gpus:
+            return [Device("cuda", i) for i in range(num_gpus)]
+        count = max(1, min(len(usable_cores()), _MAX_AUTO_CPU_DEVICES))
+        return [Device("cpu", i) for i in range(count)]
+    if isinstance(devices, (str, int, Device)):
+        if isinstance(devices, str) and "," in devices:
+            devices = [d for d in devices.split(",") if d.strip()]
+        else:
+            devices = [devices]
+    items = list(devices)
+    if not items:
+        raise ValueError("`devices` must name at least one device. Received: devices=[]")
+    parsed = [_parse_one(item, num_gpus) for item in items]
+    seen: dict[tuple[str, int], object] = {}
+    for item, dev in zip(items, parsed):
+        key = (dev.kind, dev.index)
+        if key in seen:
+            raise ValueError(
+                f"Device {dev.kind}:{dev.index} is listed twice ({seen[key]!r} and "
+                f"{item!r}). Each device may appear once. Received: devices={items!r}"
+            )
+        seen[key] = item
+    return parsed
+
+
+def assign_cores(devices: Sequence[Device], cores: Sequence[int] | None = None) -> list[Device]:
+    """Splits the usable CPU cores between the CPU devices, in list order.
+
+    With at least as many cores as CPU devices, each device gets a contiguous
+    block of cores of nearly equal size.  With more CPU devices than cores the
+    devices share cores round-robin, and a warning says so.
+
+    Args:
+        devices: devices in rank order.
+        cores: the cores to split (default: this process's affinity).
+
+    Returns:
+        The devices with ``cores`` filled in for CPU devices.
+    """
+    cores = list(cores) if cores is not None else usable_cores()
+    cpu_positions = [i for i, d in enumerate(devices) if d.kind == "cpu"]
+    n = len(cpu_positions)
+    out = list(devices)
+    if n == 0:
+        return out
+    if n > len(cores):
+        warnings.warn(
+            f"{n} CPU devices share {len(cores)} cores, so they will slow each "
+            "other down. Use at most one CPU device per core for real speed-ups.",
+            stacklevel=3,
+        )
+    for k, pos in enumerate(cpu_positions):
+        if n <= len(cores):
+            block = tuple(cores[k * len(cores) // n : (k + 1) * len(cores) // n])
+        else:
+            block = (cores[k % len(cores)],)
+        d = out[pos]
+        out[pos] = Device(d.kind, d.index, d.speed, block)
+    return out

@@ -1,0 +1,155 @@
+"""Simulated slower devices: limit a process's CPU bandwidth with a cgroup.
+
+``cpu:1@0.5`` runs rank 1 at half of its cores' bandwidth.  The limit is a
+Linux cgroup CPU quota: ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` on cgroup
+v1, ``cpu.max`` on cgroup v2.  It needs write access to the cgroup tree
+(normally root).  Every group we make is named ``multigpu.<pid>`` and removed
+when the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from pathlib import Path
+
+__all__ = ["CpuQuota", "QuotaError", "cgroup_status"]
+
+_ROOT = Path("/sys/fs/cgroup")
+_PERIOD_US = 100_000
+
+
+class QuotaError(RuntimeError):
+    """The CPU quota for a simulated slower device could not be set."""
+
+
+def _own_cgroup_path(controller: str | None) -> str:
+    """This process's path in the hierarchy of ``controller`` (None: v2)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller is None and controllers == "":
+            return path
+        if controller is not None and controller in controllers.split(","):
+            return path
+    raise QuotaError(f"this process is in no cgroup with the {controller or 'v2'} controller")
+
+
+def _v1_cpu_root() -> Path | None:
+    for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        root = _ROOT / name
+        if (root / "cpu.cfs_quota_us").exists():
+            return root
+    return None
+
+
+def _v2_root() -> Path | None:
+    for root in (_ROOT, _ROOT / "unified"):
+        controllers = root / "cgroup.controllers"
+        if controllers.exists() and "cpu" in controllers.read_text().split():
+            return root
+    return None
+
+
+def cgroup_status() -> str:
+    """A one-line description of what throttling can use here."""
+    if _v1_cpu_root() is not None:
+        return f"cgroup v1 cpu controller at {_v1_cpu_root()}"
+    if _v2_root() is not None:
+        return f"cgroup v2 with the cpu controller at {_v2_root()}"
+    return "no writable cgroup cpu controller found"
+
+
+class CpuQuota:
+    """Limits one process to ``fraction`` of ``num_cores`` cores.
+
+    Args:
+        fraction: share of bandwidth to keep, in (0, 1].
+        num_cores: cores the process is bound to.
+
+    Example:
+        >>> quota = CpuQuota(0.5, 1)
+        >>> quota.apply()      # this process now runs at half a core
+        >>> quota.remove()
+    """
+
+    def __init__(self, fraction: float, num_cores: int) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"`fraction` must be in (0, 1]. Received: fraction={fraction}")
+        self.fraction = fraction
+        self.num_cores = max(1, num_cores)
+        self._group: Path | None = None
+        self._parent_procs: Path | None = None
+
+    @property
+    def quota_us(self) -> int:
+        return max(1000, int(round(self.fraction * self.num_cores * _PERIOD_US)))
+
+    def apply(self, pid: int | None = None) -> None:
+        """Moves ``pid`` (default: this process) into a new limited group.
+
+        Raises:
+            QuotaError: when no cgroup CPU controller can be written, with the
+                reason.
+        """
+        pid = pid or os.getpid()
+        name = f"multigpu.{pid}"
+        try:
+            root = _v1_cpu_root()
+            if root is not None:
+                parent = root / _own_cgroup_path("cpu").lstrip("/")
+                group = parent / name
+                group.mkdir(exist_ok=True)
+                (group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
+                (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            else:
+                root = _v2_root()
+                if root is None:
+                    raise QuotaError(cgroup_status())
+                parent = root / _own_cgroup_path(None).lstrip("/")
+                group = parent / name
+                group.mkdir(exist_ok=True)
+                (group / "cpu.max").write_text(f"{self.quota_us} {_PERIOD_US}")
+            (group / "cgroup.procs").write_text(str(pid))
+        except QuotaError as exc:
+            raise QuotaError(
+                f"Cannot limit the CPU of process {pid} to {self.fraction:g} of "
+                f"{self.num_cores} core(s) for a simulated slower device: {exc}. "
+                "Run as root on Linux with the cgroup cpu controller, or drop "
+                "the '@F' speed factor from the device."
+            ) from None
+        except OSError as exc:
+            raise QuotaError(
+                f"Cannot limit the CPU of process {pid} to {self.fraction:g} of "
+                f"{self.num_cores} core(s) for a simulated slower device: {exc}. "
+                "Run as root on Linux with a writable cgroup cpu controller "
+                f"({cgroup_status()}), or drop the '@F' speed factor."
+            ) from None
+        self._group = group
+        self._parent_procs = parent / "cgroup.procs"
+        atexit.register(self.remove)
+
+    def set_fraction(self, fraction: float) -> None:
+        """Changes the limit of an applied quota (e.g. a mid-run slowdown)."""
+        if self._group is None:
+            raise QuotaError("the quota has not been applied")
+        self.fraction = fraction
+        if (self._group / "cpu.cfs_quota_us").exists():
+            (self._group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+        else:
+            (self._group / "cpu.max").write_text(f"{self.quota_us} {_PERIOD_US}")
+
+    def remove(self) -> None:
+        """Moves the process back to its parent group and deletes the group."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            procs = (group / "cgroup.procs").read_text().split()
+            for p in procs:
+                try:
+                    self._parent_procs.write_text(p)  # type: ignore[union-attr]
+                except OSError:
+                    pass
+            group.rmdir()
+        except OSError:
+            pass
