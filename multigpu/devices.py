@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Device", "parse_devices", "cuda_device_count", "usable_cores", "assign_cores"]
 
-_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[0-9.eE+-]+))?$")
+_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@]+))?$")
 _MAX_AUTO_CPU_DEVICES = 8
 
 

@@ -1,0 +1,30 @@
+# Set-up and the two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export KERAS_BACKEND := torch
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first: an unpinned `torch` can pull a CUDA build of several GB.
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check multigpu tests benchmarks examples
+
+test: $(STAMP) lint
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

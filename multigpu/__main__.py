@@ -1,0 +1,5 @@
+import sys
+
+from multigpu.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``multigpu`` command line: one module per subcommand."""

@@ -1,0 +1,95 @@
+"""Shared helpers: run scripts in fresh processes with a hard timeout and
+check that none of their processes is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).parent.parent
+
+
+def processes_with_token(token: str) -> list[int]:
+    """Pids of live processes whose environment carries ``token``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if state != "Z" and f"MULTIGPU_TEST_TOKEN={token}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+class Runner:
+    """Runs commands with the test environment; kills them on timeout."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.token = uuid.uuid4().hex
+
+    def env(self, extra: dict | None = None) -> dict:
+        env = dict(os.environ)
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+        env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   MULTIGPU_TEST_TOKEN=self.token, PYTHONWARNINGS="ignore")
+        env.update(extra or {})
+        return env
+
+    def start(self, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen(
+            args, env=self.env(extra_env), cwd=self.tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+
+    def finish(self, proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"timed out after {timeout}s: {proc.args}\n{out[-3000:]}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+    def run(self, args: list[str], timeout: float = 120, extra_env: dict | None = None):
+        return self.finish(self.start(args, extra_env), timeout)
+
+    def script(self, name: str, *args: str, timeout: float = 120, extra_env: dict | None = None):
+        return self.run([sys.executable, str(SCRIPTS / name), *args], timeout, extra_env)
+
+    def cli(self, *args: str, timeout: float = 120, extra_env: dict | None = None):
+        return self.run([sys.executable, "-m", "multigpu", *args], timeout, extra_env)
+
+    def leftovers(self, wait: float = 5.0) -> list[int]:
+        deadline = time.monotonic() + wait
+        while True:
+            pids = processes_with_token(self.token)
+            if not pids or time.monotonic() > deadline:
+                return pids
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def runner(tmp_path):
+    r = Runner(tmp_path)
+    yield r
+    left = processes_with_token(r.token)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes left behind: {left}"

@@ -1,0 +1,61 @@
+"""Parsing of device specifications and the split of cores."""
+
+import pytest
+
+from multigpu.devices import Device, assign_cores, parse_devices
+
+
+def test_gpu_spellings():
+    got = parse_devices([0, "cuda:1", "gpu:2"], num_gpus=3)
+    assert [d.spec for d in got] == ["cuda:0", "cuda:1", "cuda:2"]
+
+
+def test_cpu_spellings_and_speed():
+    got = parse_devices(["cpu:0", "cpu:1@0.5"], num_gpus=0)
+    assert got == [Device("cpu", 0), Device("cpu", 1, 0.5)]
+    assert got[1].spec == "cpu:1@0.5"
+
+
+def test_comma_string():
+    assert [d.spec for d in parse_devices("cpu:0,cpu:1", num_gpus=0)] == ["cpu:0", "cpu:1"]
+
+
+def test_auto_without_gpu_picks_cpu_devices(monkeypatch):
+    monkeypatch.setattr("multigpu.devices.usable_cores", lambda: [0, 1])
+    assert [d.spec for d in parse_devices("auto", num_gpus=0)] == ["cpu:0", "cpu:1"]
+    assert [d.spec for d in parse_devices(None, num_gpus=2)] == ["cuda:0", "cuda:1"]
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        ([0], "no GPU: use CPU devices"),
+        (["cuda:3"], "does not exist"),
+        (["tpu:0"], "Unknown device"),
+        (["cpu:0", "cpu:0"], "listed twice"),
+        (["cpu:1@0"], "speed factor"),
+        (["cpu:1@1.5"], "speed factor"),
+        (["cpu:1@nan"], "speed factor"),
+        ([], "at least one device"),
+        ([1.5], "GPU index"),
+    ],
+)
+def test_bad_devices_say_what_was_received(devices, message):
+    with pytest.raises(ValueError, match=message):
+        parse_devices(devices, num_gpus=0)
+
+
+def test_gpu_index_on_gpu_machine_lists_visible():
+    with pytest.raises(ValueError, match="Visible GPUs: cuda:0, cuda:1"):
+        parse_devices(["cuda:2"], num_gpus=2)
+
+
+def test_cores_are_split_in_blocks():
+    devs = assign_cores(parse_devices(["cpu:0", "cpu:1"], num_gpus=0), cores=[0, 1, 2, 3])
+    assert [d.cores for d in devs] == [(0, 1), (2, 3)]
+
+
+def test_more_cpu_devices_than_cores_share_with_a_warning():
+    with pytest.warns(UserWarning, match="share 2 cores"):
+        devs = assign_cores(parse_devices(["cpu:0", "cpu:1", "cpu:2"], num_gpus=0), cores=[0, 1])
+    assert [d.cores for d in devs] == [(0,), (1,), (0,)]
