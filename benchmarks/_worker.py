@@ -74,13 +74,16 @@ def main() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.ends: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
     timer = Timer()
     model.fit(x, y, batch_size=a.batch, epochs=1, verbose=0, callbacks=[timer])
-    timed = timer.ends[max(1, a.warmup) - 1 :]
+    first = max(1, a.warmup) - 1
+    timed, cpu = timer.ends[first:], timer.cpu[first:]
     step_s = (timed[-1] - timed[0]) / (len(timed) - 1)
     result = {
         "rank": rank,
@@ -91,7 +94,9 @@ def main() -> None:
         "batch": a.batch,
         "timed_steps": len(timed) - 1,
         "step_s": step_s,
+        "step_ms": [round((b - e) * 1e3, 2) for e, b in zip(timer.ends, timer.ends[1:])],
         "samples_per_s": a.batch / step_s,
+        "cpu_per_wall": (cpu[-1] - cpu[0]) / (timed[-1] - timed[0]),
         "peak_rss_mb": peak_rss_mb(),
         "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

@@ -148,6 +148,8 @@ def parse_devices(
     """
     if num_gpus is None:
         num_gpus = cuda_device_count()
+    if isinstance(devices, (list, tuple)) and len(devices) == 1 and str(devices[0]).strip().lower() == "auto":
+        devices = "auto"
     if devices is None or (isinstance(devices, str) and devices.strip().lower() == "auto"):
         if num_gpus:
             return [Device("cuda", i) for i in range(num_gpus)]

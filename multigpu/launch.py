@@ -315,7 +315,7 @@ def _join_torchrun(devices, ratios, timeout) -> Runtime:
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     from multigpu.devices import cuda_device_count
 
-    if devices is None or devices == "auto":
+    if devices is None or devices == "auto" or list(devices) == ["auto"]:
         kind = "cuda" if cuda_device_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(local_size)]
     local = assign_cores(parse_devices(devices))
@@ -410,7 +410,7 @@ class _Supervisor:
                 c.wait()
 
     def finish(self) -> None:
-        """Waits for the other ranks at exit; passes their failure on."""
+        """Waits for the other ranks at exit; names any that failed."""
         wait = 3.0 if self.failed else self.runtime.timeout
         deadline = time.monotonic() + wait
         for c in self.runtime.children:
@@ -418,12 +418,13 @@ class _Supervisor:
                 c.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        bad = [(r, c.returncode) for r, c in enumerate(self.runtime.children, start=1) if c.returncode]
         self.kill_children(grace=2.0)
         _destroy_group()
-        bad = [(r, c.returncode) for r, c in enumerate(self.runtime.children, start=1) if c.returncode]
+        for r, code in bad:
+            if r not in self.reported:
+                self.reported.add(r)
+                print(self._describe(r, code), file=sys.stderr, flush=True)
         if bad and not self.failed:
-            for r, code in bad:
-                if r not in self.reported:
-                    print(self._describe(r, code), file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)

@@ -1,0 +1,63 @@
+"""A tiny parallel training script for behaviour tests.
+
+    python tiny.py --devices cpu:0,cpu:1 [--bn] [--rows N] [--batch B]
+                   [--fail-rank R] [--fail-where parallelize|fit|end] [--out F]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import multigpu  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", default="cpu:0,cpu:1")
+    p.add_argument("--ratios", default=None)
+    p.add_argument("--bn", action="store_true")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-where", default="end")
+    p.add_argument("--exit-code", type=int, default=0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu")]
+    if a.bn:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(2, activation="softmax"))
+    model = keras.Sequential(layers)
+    ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
+    model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=20)
+    rank = multigpu.rank()
+    if rank == a.fail_rank and a.fail_where == "parallelize":
+        raise RuntimeError(f"failing on purpose on rank {rank}")
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(a.rows, 4)).astype("float32")
+    y = rng.integers(0, 2, size=(a.rows,))
+    hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0)
+    if rank == a.fail_rank and a.fail_where == "fit":
+        raise RuntimeError(f"failing on purpose on rank {rank}")
+    if a.out:
+        weights = model.get_weights()
+        with open(f"{a.out}.rank{rank}.json", "w") as f:
+            json.dump({"history": hist.history, "weights": [w.tolist() for w in weights],
+                       "world_size": multigpu.world_size()}, f)
+    print(f"rank {rank} done", flush=True)
+    if rank == a.fail_rank and a.fail_where == "end":
+        return a.exit_code or 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
