@@ -5,12 +5,16 @@ Runs three configurations of the Keras multi-GPU MNIST convnet
 one after another, each in its own process (``benchmarks/_worker.py``):
 
 * ``plain``: Keras ``model.fit`` without multigpu, pinned to one core, one thread;
-* ``mg1``: ``multigpu.parallelize(model, devices=["cpu:0"])``, given one core;
+* ``mg1``: ``multigpu.parallelize(model, devices=["cpu:0"])`` in a process
+  whose affinity is one core (a lone CPU device would otherwise take every
+  usable core, see ``multigpu.devices.assign_cores``);
 * ``mg2``: ``devices=["cpu:0", "cpu:1"]`` with equal ratios, one core each.
 
 Throughput is steady-state global samples/s (the first ``--warmup`` steps are
-not timed); memory is each rank's peak resident set (VmHWM).  It prints a
-table and the ratios against their targets, and writes them as JSON:
+not timed); memory is each rank's peak resident set (VmHWM); cpu/wall is CPU
+time over wall time during the timed steps (under 1.0 when other processes
+compete for the core or, in mg2, while a rank waits for the other).  It prints
+a table and the ratios against their targets, and writes them as JSON:
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/bench_core.py          # full size
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 python benchmarks/bench_core.py --quick  # ~30 s check
@@ -132,15 +136,21 @@ def summarize(best: dict[str, list[Result]]) -> list[dict[str, Any]]:
 
 def print_report(best: dict[str, list[Result]], checks: list[dict[str, Any]]) -> None:
     print(f"\n{'config':<7} {'devices':<12} {'rank':>4} {'cores':<6} {'step ms':>9} "
-          f"{'samples/s':>10} {'peak RSS MiB':>13}")
+          f"{'samples/s':>10} {'cpu/wall':>8} {'peak RSS MiB':>13}")
     for name, ranks in best.items():
         for r in ranks:
             cores = ",".join(map(str, r["cores"]))
             print(f"{name:<7} {r['devices'] or 'plain':<12} {r['rank']:>4} {cores:<6} "
-                  f"{r['step_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} {r['peak_rss_mb']:>13.1f}")
+                  f"{r['step_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} {r['cpu_per_wall']:>8.2f} "
+                  f"{r['peak_rss_mb']:>13.1f}")
     print(f"\n{'check':<32} {'ratio':>7}  {'target':<8} result")
     for c in checks:
         print(f"{c['check']:<32} {c['ratio']:>7.3f}  {c['target']:<8} {'ok' if c['ok'] else 'MISSED'}")
+    busy = [name for name in ("plain", "mg1") if name in best and best[name][0]["cpu_per_wall"] < 0.9]
+    if busy:
+        print(f"warning: {', '.join(busy)} got under 90% of a core (cpu/wall): other processes were "
+              "competing for the cores, so the throughput ratios are unreliable; rerun on an idle "
+              "machine or with --repeats 3")
 
 
 def main(argv: list[str] | None = None) -> int:

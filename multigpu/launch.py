@@ -119,6 +119,12 @@ def rerun_command() -> list[str]:
     interactive = hasattr(sys, "ps1") or "ipykernel" in sys.modules or not argv
     if not interactive and argv[0] not in ("-c", "-m") and not argv[0].startswith("-"):
         interactive = not os.path.exists(argv[0])
+    if "_pytest" in sys.modules and not interactive:
+        raise RuntimeError(
+            "multigpu.parallelize() would start the other devices by running "
+            "pytest again. In tests, run the training script in a subprocess "
+            "(or under `multigpu run`), or use a single device."
+        )
     if interactive:
         raise RuntimeError(
             "multigpu.parallelize() starts the other devices by running this "

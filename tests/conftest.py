@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
 

@@ -1,0 +1,96 @@
+"""The public API: no import side effects, clear errors for bad input."""
+
+import re
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_import_sets_nothing(runner):
+    code = (
+        "import os, sys; before = dict(os.environ); import multigpu; "
+        "assert dict(os.environ) == before, 'environment changed'; "
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('keras', 'torch')], 'imported a framework'; "
+        "assert multigpu.rank() == 0 and multigpu.world_size() == 1; "
+        "print(sorted(multigpu.__all__))"
+    )
+    res = runner.run([sys.executable, "-c", code], extra_env={"KERAS_BACKEND": ""})
+    assert res.returncode == 0, res.stdout
+    assert "['list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'world_size']" in res.stdout
+
+
+EXPECTED = {
+    "ratios_length": r"ValueError: .*one entry per device \(2 devices\), got 3.*ratios=\[1, 2, 3\]",
+    "ratios_zero": r"ValueError: Every ratio must be a finite number greater than 0. Received: ratios=\[0, 1\]",
+    "ratios_negative": r"ValueError: Every ratio .* Received: ratios=\[-1, 1\]",
+    "ratios_nan": r"ValueError: Every ratio .* Received: ratios=\[nan, 1\]",
+    "ratios_inf": r"ValueError: Every ratio .* Received: ratios=\[inf, 1\]",
+    "ratios_string": r"ValueError: `ratios` must be a list of numbers, 'auto' or None. Received: ratios='fast'",
+    "devices_repeat": r"ValueError: Device cpu:0 is listed twice",
+    "devices_unknown": r"ValueError: Unknown device 'tpu:0'. Allowed:",
+    "gpu_without_gpu": r"ValueError: Device 0 does not exist. This machine has no GPU: use CPU devices",
+    "not_a_model": r"TypeError: .*takes a Keras 3 model.*Received: object",
+    "timeout": r"ValueError: `timeout` must be a positive number of seconds. Received: timeout=-1",
+    "gpus_zero": r"ValueError: `gpus` must be at least 1. Received: gpus=0",
+    "twice": r"ValueError: multigpu.parallelize\(\) was already called on this model",
+}
+
+
+def test_bad_input_gives_clear_errors_before_any_process_starts(runner):
+    res = runner.script("bad_input.py", timeout=90)
+    assert res.returncode == 0, res.stdout
+    lines = dict(line.split(": ", 1) for line in res.stdout.splitlines() if ": " in line)
+    for case, pattern in EXPECTED.items():
+        assert case in lines, res.stdout
+        assert re.search(pattern, lines[case]), f"{case}: {lines[case]}"
+    assert runner.leftovers() == []
+
+
+def test_backend_other_than_torch_is_refused(monkeypatch):
+    import keras
+
+    from multigpu import api
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(RuntimeError, match=r"Set KERAS_BACKEND=torch.*Received: backend='jax'"):
+        api.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), ["cpu:0"])
+
+
+@pytest.mark.multiprocess
+def test_inputs_and_targets_of_different_lengths_fail_on_every_rank(runner):
+    code = (
+        "import keras, numpy as np, multigpu\n"
+        "m = multigpu.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]),"
+        " ['cpu:0', 'cpu:1'], timeout=20)\n"
+        "m.compile(optimizer='sgd', loss='mse')\n"
+        "try:\n"
+        "    m.fit(np.zeros((10, 2)), np.zeros((9, 1)), batch_size=4, verbose=0)\n"
+        "except ValueError as e:\n"
+        "    print(f'rank {multigpu.rank()}: {e}', flush=True); raise SystemExit(2)\n"
+    )
+    script = runner.tmp_path / "lengths.py"
+    script.write_text(code)
+    res = runner.run([sys.executable, str(script)], timeout=90)
+    assert res.returncode != 0
+    for r in (0, 1):
+        assert f"rank {r}: All inputs, targets and sample weights must have the same number of rows" in res.stdout
+    assert "x: [10], y: [9]" in res.stdout
+    assert runner.leftovers() == []
+
+
+def test_cli_devices_json_and_bad_arguments(runner):
+    import json
+
+    res = runner.cli("devices", "--json")
+    assert res.returncode == 0, res.stdout
+    info = json.loads(res.stdout)
+    assert info["cpu_cores"] >= 1 and info["versions"]["torch"]
+    assert any(d["device"] == "cpu:0" for d in info["devices"])
+    bad = runner.cli("run", "--devices", "cpu:0,cpu:0", "x.py")
+    assert bad.returncode == 2
+    bad = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "1,-1", "/dev/null")
+    assert bad.returncode == 2 and "Every ratio" in bad.stdout
+    bad = runner.cli("run", "--devices", "cpu:0", "--frobnicate", "x.py")
+    assert bad.returncode == 2
