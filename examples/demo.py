@@ -16,10 +16,11 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import multigpu  # noqa: E402
+import multigpu
+from multigpu.planning import split
 
 
 def build_model(width: float) -> keras.Model:
@@ -84,7 +85,7 @@ def main() -> None:
         state = model._multigpu_state
         total = sum(state.ratios)
         rate = meter.rates[-1] if meter.rates else float("nan")
-        shares = multigpu.planning.split(a.batch_size, state.ratios)
+        shares = split(a.batch_size, state.ratios)
         print(f"\n{'device':<12}{'share':>8}{'batch':>8}{'samples/s':>12}")
         for dev, r, b in zip(state.runtime.devices, state.ratios, shares):
             print(f"{dev.label:<12}{r / total:>8.0%}{b:>8}{rate * b / a.batch_size:>12.1f}")

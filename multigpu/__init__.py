@@ -9,8 +9,7 @@ Example:
     ```
 """
 
-from multigpu import planning
 from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, world_size
 
-__all__ = ["parallelize", "multi_gpu_model", "list_devices", "rank", "world_size"]
+__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "world_size"]
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from multigpu import launch
 from multigpu.devices import Device, cuda_device_count, parse_devices, usable_cores
 
-__all__ = ["parallelize", "multi_gpu_model", "list_devices", "rank", "world_size"]
+__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "world_size"]
 
 DeviceSpec = str | int | Device
 

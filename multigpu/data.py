@@ -16,7 +16,7 @@ import numpy as np
 
 from multigpu.planning import num_steps, split
 
-__all__ = ["is_array_data", "num_rows", "ShardedArrays", "rank_rows"]
+__all__ = ["ShardedArrays", "is_array_data", "num_rows", "rank_rows"]
 
 
 def _leaves(structure) -> list:

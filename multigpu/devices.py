@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Device", "parse_devices", "cuda_device_count", "usable_cores", "assign_cores"]
+__all__ = ["Device", "assign_cores", "cuda_device_count", "parse_devices", "usable_cores"]
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@]+))?$")
 _MAX_AUTO_CPU_DEVICES = 8
@@ -72,7 +72,7 @@ def cuda_device_count() -> int:
         return 0
     try:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken driver means no usable GPU
+    except Exception:
         return 0
 
 

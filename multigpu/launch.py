@@ -35,7 +35,7 @@ from multigpu import env
 from multigpu.devices import Device, assign_cores, parse_devices
 from multigpu.planning import validate_ratios
 
-__all__ = ["Runtime", "start", "current", "rank", "world_size", "rerun_command", "die_with_parent"]
+__all__ = ["Runtime", "current", "die_with_parent", "rank", "rerun_command", "start", "world_size"]
 
 _RUNTIME: Runtime | None = None
 _DEFAULT_TIMEOUT = 60.0
@@ -264,7 +264,7 @@ def _destroy_group() -> None:
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
+        except Exception:
             pass
 
 

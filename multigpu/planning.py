@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["split", "validate_ratios", "StepSlice", "epoch_plan", "num_steps"]
+__all__ = ["StepSlice", "epoch_plan", "num_steps", "split", "validate_ratios"]
 
 
 def validate_ratios(ratios: Sequence[float], world_size: int | None = None) -> list[float]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightedGradSync", "exchange_sizes", "global_metric_states", "average_variables"]
+__all__ = ["WeightedGradSync", "average_variables", "exchange_sizes", "global_metric_states"]
 
 
 class _HookState:

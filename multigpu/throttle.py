@@ -82,7 +82,7 @@ class CpuQuota:
 
     @property
     def quota_us(self) -> int:
-        return max(1000, int(round(self.fraction * self.num_cores * _PERIOD_US)))
+        return max(1000, round(self.fraction * self.num_cores * _PERIOD_US))
 
     def apply(self, pid: int | None = None) -> None:
         """Moves ``pid`` (default: this process) into a new limited group.

@@ -31,7 +31,7 @@ from multigpu.data import ShardedArrays, is_array_data, num_rows, rank_rows
 from multigpu.launch import Runtime
 from multigpu.planning import num_steps
 
-__all__ = ["attach", "ParallelState"]
+__all__ = ["ParallelState", "attach"]
 
 _OVERRIDDEN = (
     "fit",
@@ -191,7 +191,7 @@ class ParallelState:
 
     def test_step(self, data):
         model = self.model
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
         if _batch_rows(x) > 0 or not self.distributed:
             return self.original["test_step"](data)
         return model.get_metrics_result()

@@ -56,7 +56,7 @@ def collect() -> dict:
         import importlib.metadata as md
 
         versions["keras"] = md.version("keras")
-    except Exception:  # noqa: BLE001
+    except Exception:
         versions["keras"] = "not installed"
     versions["cuda"] = torch.version.cuda or "none"
     if torch.cuda.is_available():

@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="multigpu", description="Data-parallel Keras training across devices.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, module in _COMMANDS.items():
+    for module in _COMMANDS.values():
         module.add_parser(sub)
     return parser
 

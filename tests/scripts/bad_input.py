@@ -4,9 +4,9 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
+import keras
 
-import multigpu  # noqa: E402
+import multigpu
 
 
 def model():
@@ -38,5 +38,5 @@ for name, case in [*CASES.items(), ("twice", twice)]:
     try:
         case()
         print(f"{name}: no error")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"{name}: {type(exc).__name__}: {exc}")
