@@ -117,6 +117,10 @@ def _make_dataset_class():
             self.shuffle = shuffle
             self.seed = int(seed)
             self.order: np.ndarray | None = None
+            # The shares of the batch produced last: the training step reads
+            # them instead of asking the other ranks (batches are produced
+            # one at a time, right before their step).
+            self.last_shares: list[int] | None = None
 
         def set_epoch(self, epoch: int) -> None:
             """Draws epoch ``epoch``'s row order (the same on every rank)."""
@@ -142,7 +146,10 @@ def _make_dataset_class():
         def local_index(self, step: int):
             start = step * self.batch_size
             stop = min(start + self.batch_size, self.rows)
-            begin, end = rank_rows(start, stop, self.ratios(), self.rank)
+            shares = split(stop - start, self.ratios())
+            self.last_shares = shares
+            begin = start + sum(shares[: self.rank])
+            end = begin + shares[self.rank]
             if self.order is None:
                 return slice(begin, end)
             return self.order[begin:end]

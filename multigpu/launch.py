@@ -321,7 +321,7 @@ def _join_torchrun(devices, ratios, timeout) -> Runtime:
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     from multigpu.devices import cuda_device_count
 
-    if devices is None or devices == "auto" or list(devices) == ["auto"]:
+    if devices is None or devices == "auto" or (isinstance(devices, (list, tuple)) and list(devices) == ["auto"]):
         kind = "cuda" if cuda_device_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(local_size)]
     local = assign_cores(parse_devices(devices))

@@ -100,6 +100,7 @@ class ParallelState:
         self.runtime = runtime
         self.ratios = list(runtime.ratios)
         self.grad_sync: sync.WeightedGradSync | None = None
+        self.train_data = None  # the ShardedArrays that fit is reading
         cls = type(model)
         self.original = {name: getattr(cls, name).__get__(model, cls) for name in _OVERRIDDEN}
         if cls.train_step is not keras.Model.train_step:
@@ -157,7 +158,7 @@ class ParallelState:
         if not self.distributed:
             return self.original["train_step"](data)
         self._ensure_grad_sync()
-        sizes = sync.exchange_sizes(local, self.runtime.world_size, self.runtime.torch_device)
+        sizes = self._step_sizes(local)
         total = sum(sizes)
         weight = local / total if total else 0.0
         through_ddp = all(s > 0 for s in sizes)
@@ -189,6 +190,19 @@ class ParallelState:
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return model.get_metrics_result()
 
+    def _step_sizes(self, local: int) -> list[int]:
+        """Every rank's rows in this step: from the batch plan, else asked."""
+        data = self.train_data
+        if data is not None and data.last_shares is not None:
+            sizes = list(data.last_shares)
+            if sizes[self.rank] != local:
+                raise RuntimeError(
+                    f"multigpu: rank {self.rank} received a batch of {local} rows but the "
+                    f"plan says {sizes[self.rank]}; batches must be produced in step order."
+                )
+            return sizes
+        return sync.exchange_sizes(local, self.runtime.world_size, self.runtime.torch_device)
+
     def test_step(self, data):
         model = self.model
         x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -199,8 +213,13 @@ class ParallelState:
     def get_metrics_result(self):
         if not self.distributed:
             return self.original["get_metrics_result"]()
+        # Keras's own loop, not the class method: a Keras release that
+        # all-reduces metrics itself would otherwise sum them twice.
         with sync.global_metric_states(self.model):
-            result = self.original["get_metrics_result"]()
+            result = {}
+            for metric in self.model.metrics:
+                value = metric.result()
+                result.update(value if isinstance(value, dict) else {metric.name: value})
             return {
                 k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                 for k, v in result.items()
@@ -281,12 +300,16 @@ class ParallelState:
                 ratios=self.current_ratios, rank=self.rank, shuffle=False,
             )
         callbacks = [_EpochCallback(self, datasets), *(callbacks or [])]
-        return self.original["fit"](
-            train, epochs=epochs, verbose=self._verbose(verbose), callbacks=callbacks,
-            validation_data=val, shuffle=False, class_weight=class_weight,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps, validation_freq=validation_freq,
-        )
+        self.train_data = train
+        try:
+            return self.original["fit"](
+                train, epochs=epochs, verbose=self._verbose(verbose), callbacks=callbacks,
+                validation_data=val, shuffle=False, class_weight=class_weight,
+                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps, validation_freq=validation_freq,
+            )
+        finally:
+            self.train_data = None
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, **kwargs):
