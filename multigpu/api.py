@@ -41,6 +41,7 @@ def parallelize(
     ratios: str | Sequence[float] | None = None,
     *,
     timeout: float | None = None,
+    sync_batchnorm: bool = False,
 ):
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -63,6 +64,11 @@ def parallelize(
             equal shares.
         timeout: seconds a collective may wait for another rank before the
             run fails (default 60).
+        sync_batchnorm: compute BatchNormalization's batch statistics over
+            the whole global batch (weighted by shares), so a BatchNorm model
+            reproduces the single-device run; by default each device
+            normalises over its own share and the moving statistics are
+            averaged over devices.
 
     Returns:
         The same model object, now parallel.
@@ -81,12 +87,14 @@ def parallelize(
             "multigpu.parallelize() was already called on this model. Call it "
             "once per model; the returned model is the same object."
         )
+    if not isinstance(sync_batchnorm, bool):
+        raise TypeError(f"`sync_batchnorm` must be True or False. Received: sync_batchnorm={sync_batchnorm!r}")
     if isinstance(ratios, str) and ratios != "auto":
         raise ValueError(f"`ratios` must be a list of numbers, 'auto' or None. Received: ratios={ratios!r}")
     runtime = launch.start(devices, ratios, timeout)
     from multigpu.trainer import attach
 
-    attach(model, runtime)
+    attach(model, runtime, sync_batchnorm=sync_batchnorm)
     return model
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from multigpu.planning import num_steps, split
+from multigpu.planning import num_steps
 
 __all__ = ["ShardedArrays", "is_array_data", "num_rows", "rank_rows"]
 
@@ -72,9 +72,10 @@ def _take(array, index):
     return array[torch.as_tensor(index)]
 
 
-def rank_rows(step_start: int, step_stop: int, ratios: Sequence[float], rank: int) -> tuple[int, int]:
+def rank_rows(step_start: int, step_stop: int, shares_for: Callable[[int], Sequence[int]],
+              rank: int) -> tuple[int, int]:
     """The ``[begin, end)`` positions rank ``rank`` takes from one step."""
-    shares = split(step_stop - step_start, ratios)
+    shares = shares_for(step_stop - step_start)
     begin = step_start + sum(shares[:rank])
     return begin, begin + shares[rank]
 
@@ -88,8 +89,9 @@ def _make_dataset_class():
         Args:
             x, y, sample_weight: arrays or structures of arrays, equal rows.
             batch_size: the global batch ``B``.
-            ratios: a callable returning the current ratios (they may change
-                between steps when rebalancing).
+            shares: a callable giving the per-rank rows of a global batch of
+                a given size (the shares may change between steps when
+                rebalancing).
             rank: this process's rank.
             shuffle: ``True`` (rows), ``"batch"`` (within batches) or
                 ``False``.
@@ -103,7 +105,7 @@ def _make_dataset_class():
             sample_weight=None,
             *,
             batch_size: int,
-            ratios: Callable[[], Sequence[float]],
+            shares: Callable[[int], Sequence[int]],
             rank: int,
             shuffle: bool | str = False,
             seed: int = 0,
@@ -112,7 +114,7 @@ def _make_dataset_class():
             self.x, self.y, self.sample_weight = x, y, sample_weight
             self.rows = num_rows(x, y, sample_weight)
             self.batch_size = int(batch_size)
-            self.ratios = ratios
+            self.shares = shares
             self.rank = rank
             self.shuffle = shuffle
             self.seed = int(seed)
@@ -146,7 +148,7 @@ def _make_dataset_class():
         def local_index(self, step: int):
             start = step * self.batch_size
             stop = min(start + self.batch_size, self.rows)
-            shares = split(stop - start, self.ratios())
+            shares = list(self.shares(stop - start))
             self.last_shares = shares
             begin = start + sum(shares[: self.rank])
             end = begin + shares[self.rank]
@@ -182,3 +184,124 @@ def ShardedArrays(*args, **kwargs):  # noqa: N802 - a class, built on first use
     if _CLASS is None:
         _CLASS = _make_dataset_class()
     return _CLASS(*args, **kwargs)
+
+
+def cut_batch(batch, shares_for: Callable[[int], Sequence[int]], rank: int):
+    """This rank's rows of one global batch (a tuple or a single structure).
+
+    Returns:
+        ``(local_batch, shares)``.
+    """
+    import keras
+
+    leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
+    if not leaves:
+        raise ValueError("A batch must contain at least one array.")
+    rows = int(leaves[0].shape[0])
+    shares = list(shares_for(rows))
+    begin = sum(shares[:rank])
+    end = begin + shares[rank]
+    local = keras.tree.map_structure(lambda a: None if a is None else a[begin:end], batch)
+    return local, shares
+
+
+def _standardize(batch):
+    if isinstance(batch, list):
+        return tuple(batch)
+    return batch if isinstance(batch, (tuple, dict)) else (batch,)
+
+
+def _make_pydataset_class():
+    import keras
+
+    class ShardedPyDataset(keras.utils.PyDataset):
+        """Wraps a user's ``PyDataset``: every rank reads each global batch
+        and keeps its share of the rows (exact; the loading runs on every
+        rank).  Batch order is shuffled with a seed shared by all ranks."""
+
+        def __init__(self, inner, *, shares, rank: int, shuffle: bool, seed: int) -> None:
+            super().__init__(workers=1, use_multiprocessing=False)
+            self.inner, self.shares, self.rank = inner, shares, rank
+            self.shuffle, self.seed = bool(shuffle), int(seed)
+            self.order: np.ndarray | None = None
+            self.last_shares: list[int] | None = None
+
+        def set_epoch(self, epoch: int) -> None:
+            n = self.inner.num_batches
+            self.order = (np.random.default_rng([self.seed, epoch]).permutation(n)
+                          if self.shuffle and n else None)
+
+        @property
+        def num_batches(self):
+            return self.inner.num_batches
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __getitem__(self, index: int):
+            if self.order is not None:
+                index = int(self.order[index])
+            local, shares = cut_batch(_standardize(self.inner[index]), self.shares, self.rank)
+            self.last_shares = shares
+            return local
+
+        def on_epoch_end(self) -> None:
+            self.inner.on_epoch_end()
+
+    return ShardedPyDataset
+
+
+def sharded_pydataset(inner, **kwargs):
+    """A ``PyDataset`` giving this rank its share of each batch of ``inner``."""
+    global _PY_CLASS
+    if _PY_CLASS is None:
+        _PY_CLASS = _make_pydataset_class()
+    return _PY_CLASS(inner, **kwargs)
+
+
+_PY_CLASS = None
+
+
+def sharded_generator(generator, shares: Callable[[int], Sequence[int]], rank: int):
+    """Yields this rank's share of each batch a Python generator yields."""
+    for batch in generator:
+        yield cut_batch(_standardize(batch), shares, rank)[0]
+
+
+def sharded_dataloader(loader, shares: Callable[[int], Sequence[int]], rank: int):
+    """A ``DataLoader`` giving this rank its share of each batch of ``loader``.
+
+    It can be iterated once per epoch, like the loader it wraps.
+    """
+    import torch.utils.data as torch_data
+
+    class _Cut(torch_data.IterableDataset):
+        def __iter__(self):
+            return sharded_generator(iter(loader), shares, rank)
+
+        def __len__(self) -> int:
+            return len(loader)
+
+    return torch_data.DataLoader(_Cut(), batch_size=None)
+
+
+def input_kind(x) -> str:
+    """``"arrays"``, ``"pydataset"``, ``"generator"``, ``"dataloader"`` or ``"other"``."""
+    import inspect
+
+    if is_array_data(x):
+        return "arrays"
+    import keras
+
+    if isinstance(x, keras.utils.PyDataset):
+        return "pydataset"
+    try:
+        import torch.utils.data as torch_data
+
+        if isinstance(x, torch_data.DataLoader):
+            return "dataloader"
+    except ImportError:  # pragma: no cover
+        pass
+    if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
+        return "generator"
+    return "other"

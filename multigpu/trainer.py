@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import warnings
 from pathlib import Path
 
@@ -27,9 +28,30 @@ import torch.distributed as dist
 from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
 from multigpu import sync
-from multigpu.data import ShardedArrays, is_array_data, num_rows, rank_rows
+from multigpu.balance import Rebalancer, capped_split
+from multigpu.batchnorm import install_global_moments
+from multigpu.calibrate import (
+    ProfileError,
+    default_profile_path,
+    model_signature,
+    profile_key,
+    read_profile,
+    solo_speed,
+    write_profile,
+)
+from multigpu.data import (
+    ShardedArrays,
+    input_kind,
+    is_array_data,
+    num_rows,
+    rank_rows,
+    sharded_dataloader,
+    sharded_generator,
+    sharded_pydataset,
+)
 from multigpu.launch import Runtime
 from multigpu.planning import num_steps
+from multigpu.timing import StepTiming, format_report
 
 __all__ = ["ParallelState", "attach"]
 
@@ -81,10 +103,16 @@ class _EpochCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         for ds in self.datasets:
-            ds.set_epoch(epoch)
+            if hasattr(ds, "set_epoch"):
+                ds.set_epoch(epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.sync_batchnorm_statistics()
+        self.state.epoch_report(epoch)
+        if self.state.auto and self.state.rebalancer is not None and self.state.rebalancer.changes:
+            specs = [d.spec for d in self.state.runtime.devices]
+            key = profile_key(model_signature(self.state.model), specs)
+            self.state._save_profile(self.state.profile or default_profile_path(), key, specs)
 
 
 class ParallelState:
@@ -95,9 +123,26 @@ class ParallelState:
         runtime: this process's runtime.
     """
 
-    def __init__(self, model, runtime: Runtime) -> None:
+    def __init__(self, model, runtime: Runtime, sync_batchnorm: bool = False, *,
+                 auto: bool = False, rebalance: bool = False, profile: str | None = None,
+                 report: bool = False, max_batch=None) -> None:
         self.model = model
         self.runtime = runtime
+        self.auto = auto
+        self.rebalance = rebalance
+        self.profile = profile
+        self.report = report
+        self.timing = StepTiming(runtime.world_size)
+        self.rebalancer: Rebalancer | None = None
+        self.calibrated = not auto
+        self.recalibrate = False
+        self.speeds: list[float] | None = None
+        self.rebalance_every = 10
+        self._batch_size: int | None = None
+        self._steps_per_epoch: int | None = None
+        self.last_report: dict | None = None
+        self.sync_batchnorm = bool(sync_batchnorm) and runtime.world_size > 1
+        self.caps: list[int | None] | None = list(max_batch) if max_batch is not None else None
         self.ratios = list(runtime.ratios)
         self.grad_sync: sync.WeightedGradSync | None = None
         self.train_data = None  # the ShardedArrays that fit is reading
@@ -119,8 +164,9 @@ class ParallelState:
     def rank(self) -> int:
         return self.runtime.rank
 
-    def current_ratios(self) -> list[float]:
-        return self.ratios
+    def shares_for(self, total: int) -> list[int]:
+        """Rows per rank of a global batch of ``total`` rows, by the current ratios."""
+        return capped_split(total, self.ratios, self.caps)
 
     def _shared_seed(self) -> int:
         seed = torch.tensor([random.randrange(2**31)], dtype=torch.int64)
@@ -134,6 +180,10 @@ class ParallelState:
     def _ensure_grad_sync(self) -> None:
         if self.grad_sync is None and self.distributed:
             self.grad_sync = sync.WeightedGradSync(self.model, self.runtime.torch_device)
+            for v in self.model.trainable_weights:
+                v.value.register_post_accumulate_grad_hook(self.timing.mark_grad)
+            if self.rebalance and not self.auto:
+                self._start_rebalancer()
             # Dropout and other random layers must draw different numbers on
             # each rank; DDP has just made every rank's seed state equal.
             seeds = _seed_variables(self.model)
@@ -143,8 +193,8 @@ class ParallelState:
 
     def sync_batchnorm_statistics(self) -> None:
         """Averages BatchNorm moving statistics over ranks, weighted by share."""
-        if not self.distributed:
-            return
+        if not self.distributed or self.sync_batchnorm:
+            return  # with global statistics every rank's are the same already
         variables = _batchnorm_variables(self.model)
         if variables:
             weight = self.ratios[self.rank] / sum(self.ratios)
@@ -159,36 +209,169 @@ class ParallelState:
             return self.original["train_step"](data)
         self._ensure_grad_sync()
         sizes = self._step_sizes(local)
+        if not self.calibrated:
+            self._calibrate(x, y, sample_weight, local)
+        timing = self.timing
+        start = time.perf_counter()
+        timing.grad_done = None
         total = sum(sizes)
         weight = local / total if total else 0.0
         through_ddp = all(s > 0 for s in sizes)
+        # With global BatchNorm statistics the backward pass crosses ranks,
+        # so each rank weights its own loss; otherwise the comm hook does.
+        weight_in_loss = self.sync_batchnorm
         model.zero_grad()
         y_pred = None
-        if local > 0:
+        if local > 0 or weight_in_loss:
             forward = self.grad_sync.forward if through_ddp else model
             if model._call_has_training_arg:
                 y_pred = forward(x, training=True)
             else:
                 y_pred = forward(x)
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            model._loss_tracker.update_state(loss, sample_weight=local)
+            if local > 0:
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
+                model._loss_tracker.update_state(loss, sample_weight=local)
+                if weight_in_loss:
+                    loss = loss * weight
+            else:  # no rows here, but the statistics' collectives must run
+                loss = sum(leaf.sum() for leaf in keras.tree.flatten(y_pred)) * 0.0
             if model.optimizer is not None:
                 loss = model.optimizer.scale_loss(loss)
             if through_ddp:
-                self.grad_sync.state.weight = weight
+                self.grad_sync.state.weight = 1.0 if weight_in_loss else weight
             loss.backward()
+        compute_end = timing.grad_done if (local > 0 and timing.grad_done) else start
         trainable = model.trainable_weights[:]
         if through_ddp:
             gradients = [v.value.grad for v in trainable]
         else:
-            gradients = sync.WeightedGradSync.manual_allreduce(trainable, weight)
+            gradients = sync.WeightedGradSync.manual_allreduce(trainable, 1.0 if weight_in_loss else weight)
+        optimizer_start = time.perf_counter()
         with torch.no_grad():
             model.optimizer.apply(gradients, trainable)
+        optimizer_seconds = time.perf_counter() - optimizer_start
         if local > 0:
-            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return model.get_metrics_result()
+            logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        else:
+            logs = model.get_metrics_result()
+        timing.record(start, compute_end, optimizer_seconds, time.perf_counter(), local)
+        if self.rebalancer is not None and timing.window_steps >= self.rebalance_every:
+            self._rebalance()
+        timing.step_ended()
+        return logs
+
+    # ------------------------------------------------------ balancing
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"multigpu: {message}", flush=True)
+
+    def _describe_shares(self, ratios) -> str:
+        total = sum(ratios)
+        return "/".join(f"{r / total:.0%}" for r in ratios)
+
+    def _calibrate(self, x, y, sample_weight, local: int) -> None:
+        """Sets the ratios from a profile, or from solo steps on every rank."""
+        self.calibrated = True
+        specs = [d.spec for d in self.runtime.devices]
+        key = profile_key(model_signature(self.model), specs)
+        path = self.profile or default_profile_path()
+        if not self.recalibrate:
+            try:
+                entry = read_profile(path, key, specs)
+            except ProfileError as exc:
+                entry = None
+                if Path(path).exists() and self.rank == 0:
+                    warnings.warn(f"multigpu: cannot use the profile ({exc}); calibrating instead.", stacklevel=2)
+            if entry is not None:
+                self.ratios = [float(r) for r in entry["ratios"]]
+                self.speeds = entry.get("speeds")
+                self._log(f"shares {self._describe_shares(self.ratios)} from the profile {path}")
+                self._start_rebalancer()
+                return
+        speed, spent = solo_speed(self.model, x, y, sample_weight)
+        vec = torch.zeros(2 * self.runtime.world_size, dtype=torch.float64, device=self.runtime.torch_device)
+        vec[self.rank] = speed
+        vec[self.runtime.world_size + self.rank] = spent
+        dist.all_reduce(vec)
+        speeds = vec[: self.runtime.world_size].tolist()
+        spent = max(vec[self.runtime.world_size :].tolist())
+        if all(v > 0 for v in speeds):
+            self.ratios = [v / sum(speeds) for v in speeds]
+            self.speeds = speeds
+        steps = self._steps_per_epoch or 1
+        epoch_estimate = steps * (self._batch_size or local) / max(sum(v for v in speeds if v > 0), 1e-9)
+        detail = ", ".join(f"{d.label} {v:.0f} samples/s" for d, v in zip(self.runtime.devices, speeds))
+        self._log(
+            f"calibrated in {spent:.1f} s ({spent / max(epoch_estimate, 1e-9):.1%} of an epoch): "
+            f"{detail} -> shares {self._describe_shares(self.ratios)}"
+        )
+        self._start_rebalancer()
+        self._save_profile(path, key, specs)
+
+    def _start_rebalancer(self) -> None:
+        if not self.rebalance:
+            return
+        self.rebalancer = Rebalancer(list(self.ratios), batch_size=self._batch_size or 1, caps=self.caps)
+        if self.speeds:
+            self.rebalancer.speeds = list(self.speeds)
+        # A window of at least ~1 s of steps (the same on every rank: it
+        # comes from the all-reduced speeds), and at least 5 steps.
+        step_seconds = (self._batch_size or 1) / max(sum(self.speeds or [1.0]), 1e-9)
+        self.rebalance_every = int(min(50, max(5, 1.0 / max(step_seconds, 1e-6))))
+        self.timing.reset_window()
+
+    def _rebalance(self) -> None:
+        n = self.runtime.world_size
+        vec = torch.zeros(2 * n, dtype=torch.float64, device=self.runtime.torch_device)
+        vec[self.rank] = self.timing.window_compute
+        vec[n + self.rank] = self.timing.window_samples
+        dist.all_reduce(vec)
+        self.timing.reset_window()
+        old = list(self.ratios)
+        if self.rebalancer.observe(vec[:n].tolist(), [int(v) for v in vec[n:].tolist()]):
+            self.ratios = list(self.rebalancer.ratios)
+            self.speeds = list(self.rebalancer.speeds)
+            speeds = ", ".join(f"{d.label} {v:.0f}/s" for d, v in zip(self.runtime.devices, self.speeds))
+            self._log(f"shares {self._describe_shares(old)} -> {self._describe_shares(self.ratios)} "
+                      f"(measured compute speeds {speeds})")
+
+    def _save_profile(self, path, key, specs) -> None:
+        if self.rank != 0 or not self.speeds:
+            return
+        entry = {
+            "devices": specs, "speeds": self.speeds, "ratios": self.ratios,
+            "batch_size": self._batch_size, "model": self.model.name, "measured": time.time(),
+        }
+        try:
+            write_profile(path, key, entry)
+        except OSError as exc:
+            warnings.warn(f"multigpu: could not write the profile {path}: {exc}", stacklevel=2)
+
+    def epoch_report(self, epoch: int) -> dict:
+        """Gathers every rank's epoch timings (a collective) and resets them."""
+        n = self.runtime.world_size
+        e = self.timing.epoch
+        vec = torch.zeros(5 * n, dtype=torch.float64, device=self.runtime.torch_device)
+        for i, k in enumerate(("data", "compute", "wait", "samples", "steps")):
+            vec[i * n + self.rank] = e[k]
+        dist.all_reduce(vec)
+        self.timing.reset_epoch()
+        rows = []
+        for r, d in enumerate(self.runtime.devices):
+            data, compute, wait, samples, steps = (vec[i * n + r].item() for i in range(5))
+            total = data + compute + wait
+            rows.append({
+                "device": d.label, "share": self.ratios[r] / sum(self.ratios), "data": data,
+                "compute": compute, "wait": wait, "samples": int(samples), "steps": int(steps),
+                "samples_per_second": samples / total if total else 0.0,
+                "compute_samples_per_second": samples / compute if compute else 0.0,
+            })
+        self.last_report = {"epoch": epoch, "devices": rows}
+        if self.report and self.rank == 0:
+            print(format_report(self.last_report), flush=True)
+        return self.last_report
 
     def _step_sizes(self, local: int) -> list[int]:
         """Every rank's rows in this step: from the batch plan, else asked."""
@@ -243,6 +426,60 @@ class ParallelState:
             )
         return int(batch_size)
 
+    def _rank_callbacks(self, callbacks) -> list:
+        """The user's callbacks as this rank runs them.
+
+        Writers (``CSVLogger``, ``TensorBoard``) run on rank 0 only.
+        ``BackupAndRestore`` restores on every rank but saves and cleans up on
+        rank 0 only; ``ModelCheckpoint`` runs everywhere and takes the same
+        decision on every rank (global logs) while ``model.save`` writes once.
+        """
+        out = []
+        for cb in list(callbacks or []):
+            if self.rank != 0 and isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
+                continue
+            if self.rank != 0 and isinstance(cb, keras.callbacks.BackupAndRestore):
+                object.__setattr__(cb, "_save_model", lambda: None)
+                cb.delete_checkpoint = False
+            out.append(cb)
+        return out
+
+    def _shard(self, x, y, sample_weight, batch_size, shuffle, seed, what: str):
+        """This rank's view of ``x``: a dataset yielding its share of each batch."""
+        kind = input_kind(x)
+        if kind == "arrays":
+            if not is_array_data(*(s for s in (y, sample_weight) if s is not None)) and (
+                y is not None or sample_weight is not None
+            ):
+                raise TypeError(f"{what}: `y` and `sample_weight` must be arrays when `x` is.")
+            rows = num_rows(x, y, sample_weight)
+            batch_size = self._check_batch_size(batch_size, rows, what)
+            return ShardedArrays(x, y, sample_weight, batch_size=batch_size, shares=self.shares_for,
+                                 rank=self.rank, shuffle=shuffle, seed=seed)
+        if kind == "other":
+            raise TypeError(
+                f"{what}: multigpu takes NumPy arrays or torch tensors (alone, or in lists and dicts), "
+                "a keras.utils.PyDataset, a Python generator or a torch DataLoader. "
+                f"Received: x of type {type(x).__name__}"
+            )
+        if y is not None or sample_weight is not None:
+            raise ValueError(f"{what}: with a {kind}, `y` and `sample_weight` come from the data; pass None.")
+        if batch_size is not None and self.rank == 0:
+            warnings.warn(f"{what}: `batch_size` is ignored for a {kind}; its batches are the global batches.",
+                          stacklevel=4)
+        if kind == "pydataset":
+            return sharded_pydataset(x, shares=self.shares_for, rank=self.rank, shuffle=shuffle, seed=seed)
+        if self.rank == 0:
+            warnings.warn(
+                f"{what}: every rank iterates its own copy of this {kind} and keeps its share of each "
+                "batch. The result is exact only if every copy yields the same batches in the same "
+                "order (seed any shuffling, e.g. keras.utils.set_random_seed before building it).",
+                stacklevel=4,
+            )
+        if kind == "dataloader":
+            return sharded_dataloader(x, self.shares_for, self.rank)
+        return sharded_generator(x, self.shares_for, self.rank)
+
     def fit(
         self,
         x=None,
@@ -274,33 +511,33 @@ class ParallelState:
                 validation_batch_size=validation_batch_size,
                 validation_freq=validation_freq,
             )
-        if not is_array_data(x, y, sample_weight):
-            raise TypeError(
-                "multigpu's fit takes NumPy arrays or torch tensors (alone, or in "
-                "lists and dicts) for `x`, `y` and `sample_weight`, so that it can "
-                f"cut every global batch by share. Received: x of type {type(x).__name__}"
-            )
-        rows = num_rows(x, y, sample_weight)
-        batch_size = self._check_batch_size(batch_size, rows, "fit")
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=validation_split
-            )
         seed = self._shared_seed()
-        train = ShardedArrays(
-            x, y, sample_weight, batch_size=batch_size, ratios=self.current_ratios,
-            rank=self.rank, shuffle=shuffle, seed=seed,
-        )
+        if input_kind(x) == "arrays":
+            num_rows(x, y, sample_weight)  # inputs and targets of one length, checked on every rank
+            if validation_split and validation_data is None:
+                (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                    (x, y, sample_weight), validation_split=validation_split
+                )
+        elif validation_split:
+            raise ValueError(
+                "`validation_split` needs arrays (as in Keras); pass `validation_data` for "
+                f"datasets. Received: x of type {type(x).__name__}"
+            )
+        train = self._shard(x, y, sample_weight, batch_size, shuffle, seed, "fit")
         datasets = [train]
         val = None
         if validation_data is not None:
-            vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
-            val = ShardedArrays(
-                vx, vy, vsw, batch_size=validation_batch_size or batch_size,
-                ratios=self.current_ratios, rank=self.rank, shuffle=False,
-            )
-        callbacks = [_EpochCallback(self, datasets), *(callbacks or [])]
-        self.train_data = train
+            if input_kind(validation_data) in ("arrays", "other") and isinstance(validation_data, (tuple, list)):
+                vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+            else:
+                vx, vy, vsw = validation_data, None, None
+            val = self._shard(vx, vy, vsw, validation_batch_size or batch_size, False, seed, "validation")
+        callbacks = [_EpochCallback(self, datasets), *self._rank_callbacks(callbacks)]
+        self.train_data = train if hasattr(train, "last_shares") else None
+        self._batch_size = getattr(train, "batch_size", None) or batch_size
+        self._steps_per_epoch = steps_per_epoch or getattr(train, "num_batches", None)
+        self.timing.reset_epoch()
+        self.timing.last_end = None
         try:
             return self.original["fit"](
                 train, epochs=epochs, verbose=self._verbose(verbose), callbacks=callbacks,
@@ -326,15 +563,7 @@ class ParallelState:
                 sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                 return_dict=return_dict, **kwargs,
             )
-        if not is_array_data(x, y, sample_weight):
-            raise TypeError(
-                "multigpu's evaluate takes NumPy arrays or torch tensors. "
-                f"Received: x of type {type(x).__name__}"
-            )
-        rows = num_rows(x, y, sample_weight)
-        batch_size = self._check_batch_size(batch_size, rows, "evaluate")
-        data = ShardedArrays(x, y, sample_weight, batch_size=batch_size,
-                             ratios=self.current_ratios, rank=self.rank)
+        data = self._shard(x, y, sample_weight, batch_size, False, 0, "evaluate")
         return self.original["evaluate"](
             data, verbose=self._verbose(verbose), steps=steps, callbacks=callbacks,
             return_dict=return_dict, **kwargs,
@@ -347,14 +576,13 @@ class ParallelState:
                                             steps=steps, callbacks=callbacks)
         self.sync_batchnorm_statistics()
         if not is_array_data(x):
-            raise TypeError(
-                "multigpu's predict takes NumPy arrays or torch tensors. "
-                f"Received: x of type {type(x).__name__}"
-            )
+            # Datasets and generators: every rank predicts everything itself
+            # (exact, no speed-up), so that every rank returns all rows.
+            return self.original["predict"](x, batch_size=batch_size, verbose=self._verbose(verbose),
+                                            steps=steps, callbacks=callbacks)
         rows = num_rows(x)
         batch_size = self._check_batch_size(batch_size, rows, "predict")
-        ratios = list(self.ratios)
-        pieces = [rank_rows(s * batch_size, min((s + 1) * batch_size, rows), ratios, self.rank)
+        pieces = [rank_rows(s * batch_size, min((s + 1) * batch_size, rows), self.shares_for, self.rank)
                   for s in range(num_steps(rows, batch_size))]
         index = np.concatenate([np.arange(b, e) for b, e in pieces]) if pieces else np.arange(0)
         local_x = keras.tree.map_structure(
@@ -439,14 +667,16 @@ class ParallelState:
         return result
 
 
-def attach(model, runtime: Runtime) -> ParallelState:
+def attach(model, runtime: Runtime, sync_batchnorm: bool = False) -> ParallelState:
     """Makes ``model`` train across the run's devices (see module docstring)."""
     if getattr(model, "_multigpu_state", None) is not None:
         raise ValueError(
             "multigpu.parallelize() was already called on this model. Call it "
             "once per model; the returned model is the same object."
         )
-    state = ParallelState(model, runtime)
+    state = ParallelState(model, runtime, sync_batchnorm)
+    if state.sync_batchnorm:
+        install_global_moments(model)
     object.__setattr__(model, "_multigpu_state", state)
     for name in _OVERRIDDEN:
         object.__setattr__(model, name, getattr(state, name))

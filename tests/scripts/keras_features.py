@@ -1,0 +1,169 @@
+"""Keras features on a parallel model, compared with one plain process by the tests.
+
+    python keras_features.py MODE OUT [--plain] [--devices ...] [--ratios ...]
+
+Modes:
+  two_input   two inputs, BatchNorm, Dropout; class_weight, validation_split,
+              ModelCheckpoint(save_best_only), EarlyStopping, CSVLogger
+  two_output  two outputs, per-output losses/metrics, sample_weight; then
+              evaluate and predict
+  sync_bn     BatchNorm model, sync_batchnorm=True (exact against one device)
+  inputs      the same training fed as a PyDataset, a generator and a DataLoader
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def parallel(model, a, **kwargs):
+    if a.plain:
+        return model, 0
+    import multigpu
+
+    ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
+    model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=30, **kwargs)
+    return model, multigpu.rank()
+
+
+def save(a, rank, **arrays):
+    path = a.out if rank == 0 else f"{a.out}.rank{rank}.npz"
+    np.savez(path, **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in arrays.items()})
+
+
+def two_input(a):
+    keras.utils.set_random_seed(3)
+    i1, i2 = keras.Input((6,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Concatenate()([i1, i2])
+    h = keras.layers.Dense(16, activation="relu")(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.3)(h)
+    out = keras.layers.Dense(3, activation="softmax")(h)
+    model, rank = parallel(keras.Model([i1, i2], out), a)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(1)
+    x = {"a": rng.normal(size=(300, 6)).astype("float32"), "b": rng.normal(size=(300, 3)).astype("float32")}
+    y = (x["a"][:, 0] > 0).astype("int64") + (x["b"][:, 0] > 1).astype("int64")
+    ckpt = os.path.join(os.path.dirname(os.path.abspath(a.out)), "best.keras")
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(ckpt, monitor="val_loss", save_best_only=True),
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),
+        keras.callbacks.CSVLogger(os.path.join(os.path.dirname(os.path.abspath(a.out)), "log.csv")),
+    ]
+    hist = model.fit(x, y, batch_size=32, epochs=8, validation_split=0.2, class_weight={0: 1.0, 1: 2.0, 2: 3.0},
+                     callbacks=callbacks, verbose=0)
+    model.summary()
+    probe = {"a": np.ones((4, 6), "float32"), "b": np.ones((4, 3), "float32")}
+    pred = model.predict(probe, verbose=0)
+    # Dropout must draw different numbers on each rank.
+    dropout = next(layer for layer in model.layers if isinstance(layer, keras.layers.Dropout))
+    mask = keras.ops.convert_to_numpy(dropout(keras.ops.ones((64, 16)), training=True))
+    save(a, rank, pred=pred, mask=mask, history=hist.history, probe_a=probe["a"], probe_b=probe["b"],
+         weights_moving=np.concatenate([w.ravel() for w in model.get_weights()]))
+
+
+def two_output(a):
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((5,))
+    h = keras.layers.Dense(12, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-3))(inp)
+    out1 = keras.layers.Dense(1, name="reg")(h)
+    out2 = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+    model, rank = parallel(keras.Model(inp, [out1, out2]), a)
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss={"reg": "mse", "cls": "sparse_categorical_crossentropy"},
+                  loss_weights={"reg": 0.5, "cls": 1.0},
+                  metrics={"reg": ["mae"], "cls": ["accuracy"]})
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(170, 5)).astype("float32")
+    y = {"reg": x[:, :1] * 2.0, "cls": (x[:, 1] > 0).astype("int64")}
+    sw = rng.uniform(0.5, 2.0, size=(170,)).astype("float32")
+    hist = model.fit(x, y, sample_weight=sw, batch_size=40, epochs=3, shuffle=False, verbose=0)
+    ev = model.evaluate(x, y, sample_weight=sw, batch_size=48, return_dict=True, verbose=0)
+    pred = model.predict(x, batch_size=48, verbose=0)
+    save(a, rank, history=hist.history, evaluate=ev, pred_reg=pred[0], pred_cls=pred[1],
+         weights=np.concatenate([w.ravel() for w in model.get_weights()]))
+
+
+def sync_bn(a):
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)),
+        keras.layers.Conv2D(4, 3),
+        keras.layers.BatchNormalization(),
+        keras.layers.Activation("relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(8),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(2, activation="softmax"),
+    ])
+    model, rank = parallel(model, a, **({} if a.plain else {"sync_batchnorm": True}))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(97, 6, 6, 2)).astype("float32")
+    y = (x[:, 0, 0, 0] > 0).astype("int64")
+    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    save(a, rank, history=hist.history, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+
+
+def inputs(a):
+    import torch
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(90, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    results = {}
+    for kind in ("pydataset", "generator", "dataloader"):
+        keras.utils.set_random_seed(6)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(2, activation="softmax")])
+        if kind == "pydataset":
+            model, rank = parallel(model, a)
+            data = Batches(x, y, 32)
+        elif kind == "generator":
+            data = (Batches(x, y, 32)[i] for i in range(3))
+        else:
+            data = torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=32
+            )
+        if kind != "pydataset":
+            model, rank = parallel(model, a)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+        model.fit(data, epochs=1, verbose=0, shuffle=False)
+        results[kind] = np.concatenate([w.ravel() for w in model.get_weights()])
+    save(a, rank, **results)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode")
+    p.add_argument("out")
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--devices", default="cpu:0,cpu:1")
+    p.add_argument("--ratios", default="3,1")
+    a = p.parse_args()
+    {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "inputs": inputs}[a.mode](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
