@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 from multigpu import launch
@@ -42,6 +43,11 @@ def parallelize(
     *,
     timeout: float | None = None,
     sync_batchnorm: bool = False,
+    rebalance: bool | None = None,
+    profile: str | os.PathLike | None = None,
+    recalibrate: bool = False,
+    max_batch: Sequence[int | None] | None = None,
+    report: bool = False,
 ):
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -60,8 +66,12 @@ def parallelize(
         devices: ``"auto"`` (default: every GPU; on a CPU-only machine one
             CPU device per core, at most 8), or a list such as ``[0, 1]``,
             ``["cuda:0", "cuda:1"]`` or ``["cpu:0", "cpu:1@0.5"]``.
-        ratios: relative speed of each device, e.g. ``[3, 1]``; ``None`` gives
-            equal shares.
+        ratios: relative speed of each device, e.g. ``[3, 1]``; ``"auto"`` to
+            measure the speeds at the first step (or take them from the
+            profile); the path of a profile JSON file to reuse its ratios.
+            ``None`` (default) means ``"auto"`` when the devices differ
+            (kinds, GPU models or ``@F`` speed factors) and equal shares
+            otherwise.
         timeout: seconds a collective may wait for another rank before the
             run fails (default 60).
         sync_batchnorm: compute BatchNormalization's batch statistics over
@@ -69,6 +79,15 @@ def parallelize(
             reproduces the single-device run; by default each device
             normalises over its own share and the moving statistics are
             averaged over devices.
+        rebalance: move shares toward measured speeds while training
+            (default: on with automatic ratios, off with given ratios).
+        profile: where measured speeds are kept (default
+            ``$MULTIGPU_PROFILE`` or ``~/.cache/multigpu/profiles.json``).
+        recalibrate: measure again even if the profile has an entry.
+        max_batch: the largest local batch each device can hold (``None``
+            for no limit); the excess goes to devices with room.
+        report: print, at the end of each epoch, where each device's time
+            went (data, compute, waiting).
 
     Returns:
         The same model object, now parallel.
@@ -89,13 +108,76 @@ def parallelize(
         )
     if not isinstance(sync_batchnorm, bool):
         raise TypeError(f"`sync_batchnorm` must be True or False. Received: sync_batchnorm={sync_batchnorm!r}")
-    if isinstance(ratios, str) and ratios != "auto":
-        raise ValueError(f"`ratios` must be a list of numbers, 'auto' or None. Received: ratios={ratios!r}")
-    runtime = launch.start(devices, ratios, timeout)
+    from multigpu import env
+
+    if os.environ.get(env.RATIOS):  # `multigpu run --ratios` wins over the script
+        text = os.environ[env.RATIOS]
+        ratios = text if text == "auto" or text.endswith(".json") else [float(r) for r in text.split(",")]
+    auto, ratios_arg = _resolve_ratios(ratios, profile)
+    if rebalance is not None and not isinstance(rebalance, bool):
+        raise TypeError(f"`rebalance` must be True, False or None. Received: rebalance={rebalance!r}")
+    runtime = launch.start(devices, ratios_arg, timeout)
+    if ratios is None and not _devices_differ(runtime.devices):
+        auto = False
+    caps = _check_caps(max_batch, runtime.world_size)
     from multigpu.trainer import attach
 
-    attach(model, runtime, sync_batchnorm=sync_batchnorm)
+    attach(
+        model, runtime, sync_batchnorm=sync_batchnorm, auto=auto,
+        rebalance=auto if rebalance is None else rebalance,
+        profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
+        report=report, max_batch=caps,
+    )
     return model
+
+
+def _resolve_ratios(ratios, profile):
+    """Returns (auto, ratios for the launcher)."""
+    if ratios is None:
+        return True, None
+    if isinstance(ratios, (str, os.PathLike)):
+        text = os.fspath(ratios)
+        if text == "auto":
+            return True, None
+        if text.endswith(".json"):
+            from multigpu.calibrate import ProfileError, read_profile
+
+            try:
+                return False, read_profile(text)["ratios"]
+            except ProfileError as exc:
+                warnings.warn(f"multigpu: cannot use the profile ({exc}); calibrating instead.", stacklevel=3)
+                return True, None
+        raise ValueError(
+            "`ratios` must be a list of numbers, 'auto', a profile .json path or None. "
+            f"Received: ratios={ratios!r}"
+        )
+    return False, ratios
+
+
+def _devices_differ(devices) -> bool:
+    if len({(d.kind, d.speed) for d in devices}) > 1:
+        return True
+    if devices and devices[0].is_cuda:
+        try:
+            import torch
+
+            return len({torch.cuda.get_device_name(d.index) for d in devices}) > 1
+        except Exception:
+            return False
+    return False
+
+
+def _check_caps(max_batch, n: int):
+    if max_batch is None:
+        return None
+    caps = list(max_batch)
+    if len(caps) != n or not all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)
+                                 for c in caps):
+        raise ValueError(
+            f"`max_batch` takes one positive integer (or None) per device ({n} devices). "
+            f"Received: max_batch={max_batch!r}"
+        )
+    return caps
 
 
 def multi_gpu_model(model, gpus: int | Sequence[int] | None = None, ratios: Sequence[float] | None = None, **kwargs):
@@ -152,5 +234,3 @@ def world_size() -> int:
 def _parse(devices) -> list[Device]:  # used by the command line
     return parse_devices(devices)
 
-
-del os

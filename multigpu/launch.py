@@ -154,7 +154,7 @@ def loopback_listener() -> socket.socket:
 
 
 def rank_environment(
-    rank_: int, devices: Sequence[Device], ratios: Sequence[float], port: int, timeout: float
+    rank_: int, devices: Sequence[Device], ratios: Sequence[float] | str | None, port: int, timeout: float
 ) -> dict[str, str]:
     """The environment variables that tell a started process who it is."""
     dev = devices[rank_]
@@ -164,12 +164,13 @@ def rank_environment(
         env.MASTER_ADDR: "127.0.0.1",
         env.MASTER_PORT: str(port),
         env.DEVICES: ",".join(d.spec for d in devices),
-        env.RATIOS: ",".join(f"{r:g}" for r in ratios),
         env.LAUNCHER_PID: str(os.getpid()),
         env.TIMEOUT: f"{timeout:g}",
         "KERAS_BACKEND": "torch",
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     }
+    if ratios is not None:  # only ratios given on the command line travel
+        variables[env.RATIOS] = ratios if isinstance(ratios, str) else ",".join(f"{r:g}" for r in ratios)
     if not dev.is_cuda:
         variables["OMP_NUM_THREADS"] = str(max(1, len(dev.cores)))
     return variables
@@ -178,8 +179,6 @@ def rank_environment(
 def _resolve(devices, ratios, timeout) -> tuple[list[Device], list[float], float]:
     if os.environ.get(env.DEVICES):
         devices = os.environ[env.DEVICES]
-    if os.environ.get(env.RATIOS):
-        ratios = [float(r) for r in os.environ[env.RATIOS].split(",")]
     if os.environ.get(env.TIMEOUT):
         timeout = float(os.environ[env.TIMEOUT])
     parsed = assign_cores(parse_devices(devices))
@@ -282,7 +281,7 @@ def _launch_children(runtime: Runtime) -> None:
     )
     for r in range(1, runtime.world_size):
         child_env = dict(os.environ)
-        child_env.update(rank_environment(r, runtime.devices, runtime.ratios, port, runtime.timeout))
+        child_env.update(rank_environment(r, runtime.devices, None, port, runtime.timeout))
         runtime.children.append(
             subprocess.Popen(command, env=child_env, preexec_fn=die_with_parent)  # noqa: PLW1509
         )

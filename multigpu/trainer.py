@@ -667,14 +667,16 @@ class ParallelState:
         return result
 
 
-def attach(model, runtime: Runtime, sync_batchnorm: bool = False) -> ParallelState:
+def attach(model, runtime: Runtime, sync_batchnorm: bool = False, *, recalibrate: bool = False,
+           **options) -> ParallelState:
     """Makes ``model`` train across the run's devices (see module docstring)."""
     if getattr(model, "_multigpu_state", None) is not None:
         raise ValueError(
             "multigpu.parallelize() was already called on this model. Call it "
             "once per model; the returned model is the same object."
         )
-    state = ParallelState(model, runtime, sync_batchnorm)
+    state = ParallelState(model, runtime, sync_batchnorm, **options)
+    state.recalibrate = recalibrate
     if state.sync_batchnorm:
         install_global_moments(model)
     object.__setattr__(model, "_multigpu_state", state)

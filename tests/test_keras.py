@@ -19,10 +19,11 @@ def load(path):
     return out
 
 
-def run_pair(runner, mode, ratios="3,1"):
+def run_pair(runner, mode, ratios="3,1", extra_env=None):
     plain = runner.script("keras_features.py", mode, str(runner.tmp_path / "plain.npz"), "--plain")
     assert plain.returncode == 0, plain.stdout
-    par = runner.script("keras_features.py", mode, str(runner.tmp_path / "par.npz"), "--ratios", ratios)
+    par = runner.script("keras_features.py", mode, str(runner.tmp_path / "par.npz"), "--ratios", ratios,
+                        extra_env=extra_env)
     assert par.returncode == 0, par.stdout
     return (load(runner.tmp_path / "plain.npz"), load(runner.tmp_path / "par.npz"),
             load(runner.tmp_path / "par.npz.rank1.npz"), par.stdout)
@@ -54,7 +55,7 @@ def test_sync_batchnorm_reproduces_one_device(runner):
 
 
 def test_pydataset_generator_and_dataloader_are_cut_exactly(runner):
-    plain, r0, r1, out = run_pair(runner, "inputs")
+    plain, r0, r1, out = run_pair(runner, "inputs", extra_env={"PYTHONWARNINGS": "default"})
     for kind in ("pydataset", "generator", "dataloader"):
         assert rel(plain[kind], r0[kind]) < 1e-5, kind
         np.testing.assert_array_equal(r0[kind], r1[kind])

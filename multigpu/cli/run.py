@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a training script on several devices")
     p.add_argument("--devices", "--gpus", default="auto",
                    help="comma-separated devices, e.g. 0,1 or cpu:0,cpu:1@0.5 (default: auto)")
-    p.add_argument("--ratios", default=None, help="comma-separated ratios, e.g. 3,1 (default: equal)")
+    p.add_argument("--ratios", default=None,
+                   help="comma-separated ratios, e.g. 3,1, or 'auto' (default: the script's choice)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all ranks up to K times after a failure")
     p.add_argument("script", help="the Python script to run")
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0. Received: {args.timeout}")
     devices = assign_cores(parse_devices(args.devices))
-    ratios = parse_ratios(args.ratios, len(devices)) or [1.0] * len(devices)
+    ratios = args.ratios if args.ratios in (None, "auto") else parse_ratios(args.ratios, len(devices))
     os.environ.setdefault("KERAS_BACKEND", "torch")
     command = [sys.executable, args.script, *args.args]
     attempt: _Attempt | None = None

@@ -77,12 +77,12 @@ def two_output(a):
     out2 = keras.layers.Dense(3, activation="softmax", name="cls")(h)
     model, rank = parallel(keras.Model(inp, [out1, out2]), a)
     model.compile(optimizer=keras.optimizers.SGD(0.05),
-                  loss={"reg": "mse", "cls": "sparse_categorical_crossentropy"},
-                  loss_weights={"reg": 0.5, "cls": 1.0},
-                  metrics={"reg": ["mae"], "cls": ["accuracy"]})
+                  loss=["mse", "sparse_categorical_crossentropy"],
+                  loss_weights=[0.5, 1.0],
+                  metrics=[["mae"], ["accuracy"]])
     rng = np.random.default_rng(2)
     x = rng.normal(size=(170, 5)).astype("float32")
-    y = {"reg": x[:, :1] * 2.0, "cls": (x[:, 1] > 0).astype("int64")}
+    y = [x[:, :1] * 2.0, (x[:, 1] > 0).astype("int64")]
     sw = rng.uniform(0.5, 2.0, size=(170,)).astype("float32")
     hist = model.fit(x, y, sample_weight=sw, batch_size=40, epochs=3, shuffle=False, verbose=0)
     ev = model.evaluate(x, y, sample_weight=sw, batch_size=48, return_dict=True, verbose=0)
