@@ -27,7 +27,8 @@ EXPECTED = {
     "ratios_negative": r"ValueError: Every ratio .* Received: ratios=\[-1, 1\]",
     "ratios_nan": r"ValueError: Every ratio .* Received: ratios=\[nan, 1\]",
     "ratios_inf": r"ValueError: Every ratio .* Received: ratios=\[inf, 1\]",
-    "ratios_string": r"ValueError: `ratios` must be a list of numbers, 'auto' or None. Received: ratios='fast'",
+    "ratios_string": r"ValueError: `ratios` must be a list of numbers, 'auto', a profile .json path or None. "
+    r"Received: ratios='fast'",
     "devices_repeat": r"ValueError: Device cpu:0 is listed twice",
     "devices_unknown": r"ValueError: Unknown device 'tpu:0'. Allowed:",
     "gpu_without_gpu": r"ValueError: Device 0 does not exist. This machine has no GPU: use CPU devices",
