@@ -283,7 +283,7 @@ def _launch_children(runtime: Runtime) -> None:
         child_env = dict(os.environ)
         child_env.update(rank_environment(r, runtime.devices, None, port, runtime.timeout))
         runtime.children.append(
-            subprocess.Popen(command, env=child_env, preexec_fn=die_with_parent)  # noqa: PLW1509
+            subprocess.Popen(command, env=child_env, preexec_fn=die_with_parent)
         )
     _Supervisor(runtime).install()
     _init_group(runtime, store, destroy_at_exit=False)  # the supervisor does it
@@ -348,6 +348,69 @@ def _join_torchrun(devices, ratios, timeout) -> Runtime:
         mine if r == rank_ else parse_devices([s], num_gpus=10**6)[0] for r, s in enumerate(specs)
     ]
     return runtime
+
+
+class RankGroup:
+    """Starts ``command`` once per device with rank variables, hosting the store.
+
+    Used by ``multigpu run`` and ``multigpu bench``.
+
+    Args:
+        command: the command line every rank runs.
+        devices: one device per rank (cores assigned).
+        ratios: ratios given on the command line, or None/"auto".
+        timeout: seconds a collective may wait.
+        env_extra: more environment variables for every rank.
+    """
+
+    def __init__(self, command: list[str], devices: Sequence[Device], ratios, timeout: float,
+                 env_extra: dict[str, str] | None = None, stdout=None) -> None:
+        import torch.distributed as dist
+
+        self.listener = loopback_listener()
+        port = self.listener.getsockname()[1]
+        self.store = dist.TCPStore(
+            "127.0.0.1", port, len(devices), True, datetime.timedelta(seconds=timeout),
+            wait_for_workers=False, master_listen_fd=self.listener.fileno(),
+        )
+        self.devices = list(devices)
+        self.procs: list[subprocess.Popen] = []
+        for r in range(len(devices)):
+            child_env = dict(os.environ)
+            child_env.update(rank_environment(r, devices, ratios, port, timeout))
+            child_env.update(env_extra or {})
+            self.procs.append(subprocess.Popen(
+                command, env=child_env, preexec_fn=die_with_parent, stdout=stdout,
+            ))
+
+    def wait(self) -> tuple[int, int | None]:
+        """Waits until all succeed or one fails; returns (code, failed rank)."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            for r, code in enumerate(codes):
+                if code not in (None, 0):
+                    return code, r
+            if all(c == 0 for c in codes):
+                return 0, None
+            time.sleep(0.1)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Terminates the ranks still running (SIGTERM, then SIGKILL)."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.listener.close()
+
+    def describe_failure(self, code: int, rank_: int) -> str:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"rank {rank_} ({self.devices[rank_].label}) {how}"
 
 
 class _Supervisor:

@@ -12,15 +12,12 @@ and waits.  If a rank fails, the others are stopped, and with
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
-import subprocess
 import sys
-import time
 
 from multigpu.devices import assign_cores, parse_devices
-from multigpu.launch import die_with_parent, loopback_listener, rank_environment
+from multigpu.launch import RankGroup
 from multigpu.planning import validate_ratios
 
 
@@ -47,48 +44,6 @@ def parse_ratios(text: str | None, n: int) -> list[float] | None:
     return validate_ratios(values, n)
 
 
-class _Attempt:
-    def __init__(self, command: list[str], devices, ratios, timeout: float) -> None:
-        import torch.distributed as dist
-
-        self.listener = loopback_listener()
-        port = self.listener.getsockname()[1]
-        self.store = dist.TCPStore(
-            "127.0.0.1", port, len(devices), True, datetime.timedelta(seconds=timeout),
-            wait_for_workers=False, master_listen_fd=self.listener.fileno(),
-        )
-        self.devices = devices
-        self.procs = []
-        for r in range(len(devices)):
-            child_env = dict(os.environ)
-            child_env.update(rank_environment(r, devices, ratios, port, timeout))
-            self.procs.append(subprocess.Popen(command, env=child_env, preexec_fn=die_with_parent))  # noqa: PLW1509
-
-    def wait(self) -> tuple[int, int | None]:
-        """Waits until all succeed or one fails; returns (code, failed rank)."""
-        while True:
-            codes = [p.poll() for p in self.procs]
-            for r, code in enumerate(codes):
-                if code not in (None, 0):
-                    return code, r
-            if all(c == 0 for c in codes):
-                return 0, None
-            time.sleep(0.1)
-
-    def stop(self, grace: float = 5.0) -> None:
-        live = [p for p in self.procs if p.poll() is None]
-        for p in live:
-            p.terminate()
-        deadline = time.monotonic() + grace
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.listener.close()
-
-
 def run(args: argparse.Namespace) -> int:
     if not os.path.exists(args.script):
         raise ValueError(f"no such script: {args.script!r}")
@@ -100,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     ratios = args.ratios if args.ratios in (None, "auto") else parse_ratios(args.ratios, len(devices))
     os.environ.setdefault("KERAS_BACKEND", "torch")
     command = [sys.executable, args.script, *args.args]
-    attempt: _Attempt | None = None
+    attempt: RankGroup | None = None
 
     def on_signal(signum, frame):
         if attempt is not None:
@@ -110,14 +65,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     for restart in range(args.max_restarts + 1):
-        attempt = _Attempt(command, devices, ratios, args.timeout)
+        attempt = RankGroup(command, devices, ratios, args.timeout)
         code, failed = attempt.wait()
         if failed is None:
             attempt.stop()
             return 0
-        dev = devices[failed]
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"multigpu run: rank {failed} ({dev.label}) {how}; stopping the other ranks.",
+        print(f"multigpu run: {attempt.describe_failure(code, failed)}; stopping the other ranks.",
               file=sys.stderr, flush=True)
         attempt.stop()
         if restart < args.max_restarts:

@@ -11,10 +11,10 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import multigpu  # noqa: E402
+import multigpu
 
 
 def main():

@@ -18,8 +18,8 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
 
 def parallel(model, a, **kwargs):
@@ -118,7 +118,7 @@ class Batches(keras.utils.PyDataset):
         self.x, self.y, self.batch = x, y, batch
 
     def __len__(self):
-        return -(-len(self.x) // self.batch)
+        return (len(self.x) + self.batch - 1) // self.batch
 
     def __getitem__(self, i):
         s = slice(i * self.batch, (i + 1) * self.batch)

@@ -1,0 +1,198 @@
+"""Built-in models for ``multigpu bench``, ``multigpu calibrate`` and the examples.
+
+Each entry builds an uncompiled Keras model, compiles it the way its original
+script did, and makes synthetic data of its input shape (no downloads):
+
+* ``convnet``: the convnet of the original Keras multi-GPU MNIST example;
+* ``mlp``: 784-1024-1024-10;
+* ``gru``: a stacked GRU classifier on sequences;
+* ``maxing``: a convnet with far more layers than it needs, to load devices;
+* ``dense41m``: the 41-million-parameter dense network (8000 inputs).
+
+A user's own model is named ``path/to/file.py:build_fn``; ``build_fn()``
+returns a Keras model (compiled or not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ModelSpec", "get_model", "names"]
+
+
+@dataclass
+class ModelSpec:
+    """How to build, compile and feed one model."""
+
+    name: str
+    build: Callable[[float], object]
+    data: Callable[[int, int], tuple]
+    compile: Callable[[object], None]
+
+    def make(self, width: float = 1.0):
+        import keras
+
+        model = self.build(width)
+        if not getattr(model, "compiled", False) and getattr(model, "optimizer", None) is None:
+            self.compile(model)
+        del keras
+        return model
+
+
+def _w(n: int, width: float) -> int:
+    return max(1, round(n * width))
+
+
+def convnet(width: float = 1.0, input_shape=(28, 28, 1), classes: int = 10):
+    """The convnet of the Keras multi-GPU MNIST example (``width`` scales filters)."""
+    import keras
+
+    L = keras.layers
+    inputs = keras.Input(input_shape)
+    h = L.Conv2D(_w(32, width), 3, activation="relu")(inputs)
+    h = L.Conv2D(_w(256, width), 3, activation="relu")(h)
+    h = L.BatchNormalization()(h)
+    h = L.Conv2D(_w(128, width), 3, activation="relu")(h)
+    h = L.MaxPooling2D(2)(h)
+    h = L.Dropout(0.25)(h)
+    h = L.Flatten()(h)
+    h = L.Dense(128, activation="relu")(h)
+    h = L.Dropout(0.5)(h)
+    outputs = L.Dense(classes, activation="softmax")(h)
+    return keras.Model(inputs, outputs, name="convnet")
+
+
+def mlp(width: float = 1.0):
+    import keras
+
+    return keras.Sequential([
+        keras.Input((784,)),
+        keras.layers.Dense(_w(1024, width), activation="relu"),
+        keras.layers.Dense(_w(1024, width), activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ], name="mlp")
+
+
+def gru(width: float = 1.0, timesteps: int = 40, features: int = 16, classes: int = 4):
+    """Stacked GRU classifier on sequences."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((timesteps, features)),
+        keras.layers.GRU(_w(64, width), return_sequences=True),
+        keras.layers.GRU(_w(64, width)),
+        keras.layers.Dense(classes, activation="softmax"),
+    ], name="gru")
+
+
+def maxing(width: float = 1.0, depth: int = 12):
+    """A convnet with far more layers than it needs, built to load devices fully."""
+    import keras
+
+    layers = [keras.Input((32, 32, 3))]
+    for _ in range(depth):
+        layers.append(keras.layers.Conv2D(_w(64, width), 3, padding="same", activation="relu"))
+    layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, activation="softmax")]
+    return keras.Sequential(layers, name="maxing")
+
+
+def dense41m(width: float = 1.0):
+    """Dense(4000, tanh) on 8000 inputs, 2000, 500, 300, 1 (about 41M parameters)."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((8000,)),
+        keras.layers.Dense(_w(4000, width), activation="tanh"),
+        keras.layers.Dense(_w(2000, width), activation="relu"),
+        keras.layers.Dense(_w(500, width), activation="relu"),
+        keras.layers.Dense(_w(300, width), activation="relu"),
+        keras.layers.Dense(1, activation="sigmoid"),
+    ], name="dense41m")
+
+
+def _classes_data(shape, classes, onehot=False):
+    def make(rows: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(rows, *shape)).astype("float32")
+        # a learnable label: the sign pattern of a few inputs
+        flat = x.reshape(rows, -1)
+        y = (flat[:, :classes] .argmax(axis=1)).astype("int64")
+        if onehot:
+            y = np.eye(classes, dtype="float32")[y]
+        return x, y
+    return make
+
+
+def _binary_data(rows: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 8000)).astype("float32")
+    return x, (x[:, 0] > 0).astype("float32")[:, None]
+
+
+def _compile(loss, optimizer, metrics=("accuracy",)):
+    def apply(model):
+        import keras
+
+        opt = {"rmsprop": keras.optimizers.RMSprop, "adam": keras.optimizers.Adam,
+               "sgd": keras.optimizers.SGD}[optimizer]()
+        model.compile(optimizer=opt, loss=loss, metrics=list(metrics))
+    return apply
+
+
+_BUILTIN = {
+    "convnet": ModelSpec("convnet", convnet, _classes_data((28, 28, 1), 10, onehot=True),
+                         _compile("categorical_crossentropy", "rmsprop")),
+    "mlp": ModelSpec("mlp", mlp, _classes_data((784,), 10), _compile("sparse_categorical_crossentropy", "sgd")),
+    "gru": ModelSpec("gru", gru, _classes_data((40, 16), 4), _compile("sparse_categorical_crossentropy", "adam")),
+    "maxing": ModelSpec("maxing", maxing, _classes_data((32, 32, 3), 10),
+                        _compile("sparse_categorical_crossentropy", "adam")),
+    "dense41m": ModelSpec("dense41m", dense41m, _binary_data, _compile("binary_crossentropy", "adam")),
+}
+
+
+def names() -> list[str]:
+    """The built-in model names."""
+    return sorted(_BUILTIN)
+
+
+def _user_spec(text: str) -> ModelSpec:
+    path, _, fn = text.rpartition(":")
+    if not path or not fn or not Path(path).is_file():
+        raise ValueError(
+            f"Unknown model {text!r}. Use a built-in name ({', '.join(names())}) or "
+            "path/to/file.py:build_fn."
+        )
+    spec = importlib.util.spec_from_file_location(f"multigpu_user_model_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    build = getattr(module, fn, None)
+    if not callable(build):
+        raise ValueError(f"{path} has no function {fn!r}. Received: --model {text}")
+    probe: dict = {}
+
+    def make_model(width: float):
+        model = build()
+        probe["model"] = model
+        return model
+
+    def data(rows: int, seed: int = 0):
+        model = probe.get("model") or build()
+        rng = np.random.default_rng(seed)
+        in_shape = tuple(model.inputs[0].shape[1:])
+        out_shape = tuple(model.outputs[0].shape[1:])
+        return (rng.normal(size=(rows, *in_shape)).astype("float32"),
+                rng.normal(size=(rows, *out_shape)).astype("float32"))
+
+    return ModelSpec(text, make_model, data, _compile("mse", "adam", metrics=()))
+
+
+def get_model(name: str) -> ModelSpec:
+    """A built-in model by name, or a user's ``file.py:fn``."""
+    if name in _BUILTIN:
+        return _BUILTIN[name]
+    return _user_spec(name)
