@@ -253,15 +253,35 @@ def _init_group(runtime: Runtime, store, destroy_at_exit: bool = True) -> None:
 
         kwargs["device_id"] = torch.device(f"cuda:{runtime.device.index}")
     dist.init_process_group(**kwargs)
+    sys.excepthook = _note_failure(sys.excepthook)
     if destroy_at_exit:
         atexit.register(_destroy_group)
 
 
+_FAILED = False
+
+
+def _note_failure(hook):
+    def excepthook(exc_type, exc, tb):
+        global _FAILED
+        _FAILED = True
+        hook(exc_type, exc, tb)
+    return excepthook
+
+
 def _destroy_group() -> None:
+    """Leaves the group at exit: together with the others when all went well.
+
+    A barrier first, so that no rank tears down its connections while a peer
+    still uses them (gloo aborts the peer otherwise); skipped after an error,
+    when the others may be gone.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         try:
+            if not _FAILED:
+                dist.barrier()
             dist.destroy_process_group()
         except Exception:
             pass
@@ -478,7 +498,10 @@ class _Supervisor:
                 c.wait()
 
     def finish(self) -> None:
-        """Waits for the other ranks at exit; names any that failed."""
+        """Leaves the group with the others, waits for them, names any that failed."""
+        global _FAILED
+        _FAILED = _FAILED or self.failed
+        _destroy_group()
         wait = 3.0 if self.failed else self.runtime.timeout
         deadline = time.monotonic() + wait
         for c in self.runtime.children:
@@ -488,7 +511,6 @@ class _Supervisor:
                 pass
         bad = [(r, c.returncode) for r, c in enumerate(self.runtime.children, start=1) if c.returncode]
         self.kill_children(grace=2.0)
-        _destroy_group()
         for r, code in bad:
             if r not in self.reported:
                 self.reported.add(r)

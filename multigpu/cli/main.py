@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from multigpu.cli import bench as bench_cmd
+from multigpu.cli import calibrate as calibrate_cmd
 from multigpu.cli import devices as devices_cmd
 from multigpu.cli import run as run_cmd
 
-_COMMANDS = {"run": run_cmd, "devices": devices_cmd}
+_COMMANDS = {"run": run_cmd, "devices": devices_cmd, "bench": bench_cmd, "calibrate": calibrate_cmd}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,73 @@
+"""The command line through its real entry point, with tiny models and few steps."""
+
+import json
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+TINY = ["--model", "mlp", "--width", "0.05", "--steps", "3", "--warmup", "1"]
+
+
+def test_bench_prints_per_device_rates_baselines_and_breakdown(runner):
+    res = runner.cli("bench", "--gpus", "cpu:0", "cpu:1", "--batches", "24", "8", *TINY,
+                     "--baseline", "single,ddp", "--out", str(runner.tmp_path))
+    assert res.returncode == 0, res.stdout
+    assert re.search(r"^After \d+ samples$", res.stdout, re.M)
+    assert re.search(r"^CPU:0\[24\] \d+ sps$", res.stdout, re.M)
+    assert re.search(r"^CPU:1\[8\] \d+ sps$", res.stdout, re.M)
+    assert re.search(r"^Total:\[32\] \d+ sps$", res.stdout, re.M)
+    assert re.search(r"balance efficiency: \d\.\d{3}", res.stdout)
+    assert re.search(r"CPU:1 +data +\d+%  compute +\d+%  waiting +\d+%", res.stdout)
+    assert re.search(r"baseline single .*multigpu is \d+\.\d\dx", res.stdout)
+    assert re.search(r"baseline ddp .*multigpu is \d+\.\d\dx", res.stdout)
+    summary = json.loads((runner.tmp_path / "bench.json").read_text())
+    assert summary["multigpu"]["samples_per_second"] > 0
+    assert summary["multigpu"]["shares"] == [24, 8]
+    assert len(summary["solo"]) == 2 and set(summary["baselines"]) == {"single", "ddp"}
+    assert runner.leftovers() == []
+
+
+def test_sweep_writes_table_json_markdown_and_png(runner):
+    res = runner.cli("bench", "--sweep", "16,32", "--devices", "cpu:0", "cpu:1", *TINY,
+                     "--out", str(runner.tmp_path))
+    assert res.returncode == 0, res.stdout
+    assert "| batch size | devices | time per epoch (s) | samples/s | speed up | final loss |" in res.stdout
+    data = json.loads((runner.tmp_path / "sweep.json").read_text())
+    assert [(r["batch_size"], r["devices"]) for r in data["rows"]] == [(16, 1), (16, 2), (32, 1), (32, 2)]
+    for row in data["rows"]:
+        assert row["samples_per_second"] > 0 and row["speedup"] > 0
+    assert (runner.tmp_path / "sweep.md").read_text().count("\n") == 6
+    png = (runner.tmp_path / "sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_calibrate_prints_table_and_writes_profile(runner):
+    profile = runner.tmp_path / "p.json"
+    res = runner.cli("calibrate", "--devices", "cpu:0", "cpu:1", "--model", "mlp", "--width", "0.05",
+                     "--sizes", "8,32", "--profile", str(profile))
+    assert res.returncode == 0, res.stdout
+    assert "suggested ratios:" in res.stdout and "largest batch that fits" in res.stdout
+    entry = next(iter(json.loads(profile.read_text())["entries"].values()))
+    assert entry["devices"] == ["cpu:0", "cpu:1"] and len(entry["ratios"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "--devices", "tpu:0"], "Unknown device 'tpu:0'"),
+        (["bench", "--devices", "cpu:0", "cpu:1", "--batches", "8"], "one size per device: 2 devices, 1 batches"),
+        (["bench", "--devices", "cpu:0", "cpu:1", "--batches", "8", "-4"], "--batches must be positive"),
+        (["bench", "--devices", "cpu:0", "--batch-size", "-3"], "--batch-size must be positive"),
+        (["bench", "--devices", "cpu:0", "--model", "nope"], "Unknown model 'nope'"),
+        (["bench", "--devices", "cpu:0", "--baseline", "horovod"], "unknown baseline 'horovod'"),
+        (["bench", "--devices", "cpu:0", "--sweep", "16,x"], "--sweep takes comma-separated sizes"),
+        (["calibrate", "--devices", "cpu:0", "--sizes", "0"], "--sizes must be positive"),
+        (["run", "--devices", "cpu:0", "--max-restarts", "-1", "/dev/null"], "--max-restarts must be >= 0"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_error(runner, args, message):
+    res = runner.cli(*args, timeout=60)
+    assert res.returncode == 2, res.stdout
+    assert message in res.stdout
