@@ -30,9 +30,9 @@ and device 0's share against step in the slowdown run)::
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py --quick  # ~75 s check
 
 The full run (width 1.0, 8 timed steps per configuration, slowdown after step
-10 and 50 steps after it) takes about 11 minutes on the 2-core development
-machine (~4.6 s per 256-sample step on one core); it prints its own estimate
-once the solo runs have measured the speeds.  Results:
+10 and 50 steps after it) takes about 10-11 minutes on the idle 2-core
+development machine (~4.6 s per 256-sample step on one core); it prints its
+own estimate once the solo runs have measured the speeds.  Results:
 ``benchmarks/results/balance.json`` and ``balance.png`` (``--quick``:
 ``balance-quick.json`` and ``balance-quick.png``, git-ignored).
 
@@ -381,10 +381,11 @@ def plot(rows: dict[str, Result], slow: Result, solo_sum: float, path: Path, tit
             left.annotate(f"{rows[n]['efficiency']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                           ha="center", va="bottom", fontsize=8)
     left.axhline(solo_sum, color="k", ls="--", lw=1, label=f"solo fast + slow = {solo_sum:.0f}")
+    left.set_ylim(0, 1.18 * max(solo_sum, *values))
     left.set_xticks(range(len(names)), names, rotation=35, ha="right")
     left.set_ylabel("samples/s (global)")
     left.set_title("throughput per configuration (labels: efficiency)")
-    left.legend(loc="lower right", fontsize=8)
+    left.legend(loc="upper left", fontsize=8)
 
     steps = [int(k) for k in slow["rolling"]]
     right.plot(steps, list(slow["rolling"].values()), "o-", ms=3, color="tab:green",

@@ -393,6 +393,7 @@ class RankGroup:
             "127.0.0.1", port, len(devices), True, datetime.timedelta(seconds=timeout),
             wait_for_workers=False, master_listen_fd=self.listener.fileno(),
         )
+        self.listener.detach()  # the store owns the socket now
         self.devices = list(devices)
         self.procs: list[subprocess.Popen] = []
         for r in range(len(devices)):
@@ -426,7 +427,7 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.listener.close()
+        self.store = None  # shuts the store's server down
 
     def describe_failure(self, code: int, rank_: int) -> str:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -453,11 +454,31 @@ class _Supervisor:
         sys.excepthook = self._excepthook
         atexit.register(self.finish)
         threading.Thread(target=self._watch, name="multigpu-supervisor", daemon=True).start()
-        for sig in (signal.SIGTERM,):
-            try:
-                signal.signal(sig, self._on_signal)
-            except ValueError:  # pragma: no cover - not the main thread
-                pass
+        try:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            # Ctrl-C raises KeyboardInterrupt in the main thread, but only once
+            # it is back in Python: a rank waiting in a collective is not.  The
+            # wakeup fd tells a thread at once, which ends the run if the main
+            # thread has not within a grace period.
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch_signals, args=(read_fd,), daemon=True,
+                             name="multigpu-signals").start()
+        except ValueError:  # pragma: no cover - not the main thread
+            pass
+
+    def _watch_signals(self, read_fd: int) -> None:
+        while True:
+            data = os.read(read_fd, 1)
+            if not data:
+                return
+            if data[0] == signal.SIGINT:
+                self.failed = True
+                time.sleep(self.GRACE)
+                print("multigpu: interrupted; stopping every rank.", file=sys.stderr, flush=True)
+                self.kill_children(grace=2.0)
+                os._exit(130)
 
     def _on_signal(self, signum, frame) -> None:
         self.failed = True

@@ -51,6 +51,25 @@ def exchange_sizes(local_size: int, world_size: int, device: torch.device) -> li
     return [int(s) for s in sizes.tolist()]
 
 
+def check_same_on_every_rank(value: int, what: str, device: torch.device) -> None:
+    """Raises on every rank when ranks disagree on ``value`` (one all-gather).
+
+    Used for data lengths: ranks that disagree would take different numbers
+    of steps and wait for each other until the timeout.
+    """
+    world = dist.get_world_size()
+    values = torch.zeros(world, dtype=torch.int64, device=device)
+    values[dist.get_rank()] = int(value)
+    dist.all_reduce(values)
+    got = [int(v) for v in values.tolist()]
+    if len(set(got)) > 1:
+        detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(got))
+        raise ValueError(
+            f"The ranks received different data: {what} differ ({detail}). Every rank must "
+            "see the same data (build or load it the same way on every rank)."
+        )
+
+
 class WeightedGradSync:
     """Wraps a built Keras model in DDP with a share-weighting comm hook.
 

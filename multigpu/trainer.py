@@ -454,6 +454,7 @@ class ParallelState:
                 raise TypeError(f"{what}: `y` and `sample_weight` must be arrays when `x` is.")
             rows = num_rows(x, y, sample_weight)
             batch_size = self._check_batch_size(batch_size, rows, what)
+            sync.check_same_on_every_rank(rows, f"{what}: the numbers of rows", self.runtime.torch_device)
             return ShardedArrays(x, y, sample_weight, batch_size=batch_size, shares=self.shares_for,
                                  rank=self.rank, shuffle=shuffle, seed=seed)
         if kind == "other":
@@ -468,6 +469,8 @@ class ParallelState:
             warnings.warn(f"{what}: `batch_size` is ignored for a {kind}; its batches are the global batches.",
                           stacklevel=4)
         if kind == "pydataset":
+            sync.check_same_on_every_rank(x.num_batches or -1, f"{what}: the numbers of batches",
+                                          self.runtime.torch_device)
             return sharded_pydataset(x, shares=self.shares_for, rank=self.rank, shuffle=shuffle, seed=seed)
         if self.rank == 0:
             warnings.warn(

@@ -17,6 +17,25 @@ import numpy as np
 import multigpu
 
 
+class Announce(keras.callbacks.Callback):
+    def __init__(self, rank, a):
+        super().__init__()
+        self.rank, self.a, self.done, self.epoch = rank, a, False, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.a.announce and not self.done:
+            self.done = True
+            print(f"rank {self.rank} pid {os.getpid()} training", flush=True)
+        marker = os.path.join(self.a.backup or ".", "died-once")
+        if self.rank == self.a.die_rank and self.epoch == 1 and batch == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            print(f"rank {self.rank} dies in epoch 2", flush=True)
+            os.kill(os.getpid(), 9)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", default="cpu:0,cpu:1")
@@ -29,6 +48,10 @@ def main() -> int:
     p.add_argument("--fail-where", default="end")
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--announce", action="store_true", help="print each rank's pid after its first step")
+    p.add_argument("--rows-per-rank", action="store_true", help="give each rank a different number of rows")
+    p.add_argument("--backup", default=None, help="BackupAndRestore folder")
+    p.add_argument("--die-rank", type=int, default=-1, help="this rank kills itself in epoch 2 once")
     a = p.parse_args()
     keras.utils.set_random_seed(0)
     layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu")]
@@ -43,15 +66,19 @@ def main() -> int:
         raise RuntimeError(f"failing on purpose on rank {rank}")
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(a.rows, 4)).astype("float32")
-    y = rng.integers(0, 2, size=(a.rows,))
-    hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0)
+    rows = a.rows + (rank if a.rows_per_rank else 0)
+    x = rng.normal(size=(rows, 4)).astype("float32")
+    y = rng.integers(0, 2, size=(rows,))
+    callbacks = [Announce(rank, a)]
+    if a.backup:
+        callbacks.append(keras.callbacks.BackupAndRestore(a.backup))
+    hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
     if rank == a.fail_rank and a.fail_where == "fit":
         raise RuntimeError(f"failing on purpose on rank {rank}")
     if a.out:
         weights = model.get_weights()
         with open(f"{a.out}.rank{rank}.json", "w") as f:
-            json.dump({"history": hist.history, "weights": [w.tolist() for w in weights],
+            json.dump({"history": hist.history, "epochs": hist.epoch, "weights": [w.tolist() for w in weights],
                        "world_size": multigpu.world_size()}, f)
     print(f"rank {rank} done", flush=True)
     if rank == a.fail_rank and a.fail_where == "end":
