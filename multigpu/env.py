@@ -12,6 +12,10 @@ starts can find each other.
   win over the arguments the script passes to ``parallelize``.
 * ``MULTIGPU_LAUNCHER_PID``: pid of the process that started the ranks.
 * ``MULTIGPU_TIMEOUT``: seconds a collective may wait before the run fails.
+* ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
+  ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
+* ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
+  gloo listens on the loopback interface only.
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``: read (never set) to join a group started
   by ``torchrun``.

@@ -454,6 +454,7 @@ class ParallelState:
                 raise TypeError(f"{what}: `y` and `sample_weight` must be arrays when `x` is.")
             rows = num_rows(x, y, sample_weight)
             batch_size = self._check_batch_size(batch_size, rows, what)
+            self.shares_for(batch_size)  # a batch that no device cap allows fails here, on every rank
             sync.check_same_on_every_rank(rows, f"{what}: the numbers of rows", self.runtime.torch_device)
             return ShardedArrays(x, y, sample_weight, batch_size=batch_size, shares=self.shares_for,
                                  rank=self.rank, shuffle=shuffle, seed=seed)
