@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
+	@# Fashion-MNIST from Debian's package when we may install it; the demo falls back to synthetic data otherwise.
+	@test -d /usr/share/datasets/fashion-mnist || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)); } || true
 	$(BIN)/python examples/demo.py $(ARGS)
 
 lint: $(STAMP)

@@ -116,7 +116,7 @@ def write_profile(path: str | os.PathLike, key: str, entry: dict) -> None:
     os.replace(tmp, path)
 
 
-def solo_speed(model, x, y, sample_weight, *, warmup: int = 1, min_steps: int = 3,
+def solo_speed(model, x, y, sample_weight, *, warmup: int = 1, min_steps: int = 2,
                min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
     """Samples/s of forward and backward passes on one local batch, alone.
 

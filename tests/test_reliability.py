@@ -93,3 +93,12 @@ def test_data_of_different_lengths_on_the_ranks_is_reported_not_hung(runner):
         assert f"[rank{r}]" in res.stdout
     assert "The ranks received different data: fit: the numbers of rows differ (rank 0: 64, rank 1: 65)" in res.stdout
     assert runner.leftovers() == []
+
+
+def test_a_single_machine_run_listens_on_loopback_only(runner):
+    res = runner.script("tiny.py", "--print-listen", timeout=90)
+    assert res.returncode == 0, res.stdout
+    addresses = re.findall(r"rank 0 listens on (\S+)", res.stdout)
+    assert addresses, res.stdout  # rank 0 hosts the store, so it listens somewhere
+    for address in addresses + re.findall(r"rank 1 listens on (\S+)", res.stdout):
+        assert address.startswith("127.0.0.1:") or address.startswith("::1:"), address

@@ -17,6 +17,32 @@ import numpy as np
 import multigpu
 
 
+def listening_addresses() -> list[str]:
+    """Local addresses of this process's TCP sockets in the LISTEN state."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    hexaddr, port = cols[1].split(":")
+                    if width == 8:
+                        addr = ".".join(str(int(hexaddr[i : i + 2], 16)) for i in (6, 4, 2, 0))
+                    else:
+                        addr = "::1" if hexaddr.endswith("01000000") and set(hexaddr[:24]) == {"0"} else hexaddr
+                    out.append(f"{addr}:{int(port, 16)}")
+    return out
+
+
 class Announce(keras.callbacks.Callback):
     def __init__(self, rank, a):
         super().__init__()
@@ -49,6 +75,7 @@ def main() -> int:
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--announce", action="store_true", help="print each rank's pid after its first step")
+    p.add_argument("--print-listen", action="store_true", help="print the addresses this rank listens on")
     p.add_argument("--rows-per-rank", action="store_true", help="give each rank a different number of rows")
     p.add_argument("--backup", default=None, help="BackupAndRestore folder")
     p.add_argument("--die-rank", type=int, default=-1, help="this rank kills itself in epoch 2 once")
@@ -75,6 +102,9 @@ def main() -> int:
     hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
     if rank == a.fail_rank and a.fail_where == "fit":
         raise RuntimeError(f"failing on purpose on rank {rank}")
+    if a.print_listen:
+        for address in listening_addresses():
+            print(f"rank {rank} listens on {address}", flush=True)
     if a.out:
         weights = model.get_weights()
         with open(f"{a.out}.rank{rank}.json", "w") as f:

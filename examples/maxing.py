@@ -1,0 +1,166 @@
+"""Load every device fully: find the ratios for this machine's devices, report samples/s.
+
+    KERAS_BACKEND=torch python examples/maxing.py                           # ratios measured (auto)
+    KERAS_BACKEND=torch python examples/maxing.py --quick                   # about a minute on 2 CPU cores
+    KERAS_BACKEND=torch python examples/maxing.py --devices cpu:0,cpu:1@0.5 --recalibrate
+    KERAS_BACKEND=torch python examples/maxing.py --ratios 2,1              # given ratios, no measuring
+
+The model is ``multigpu.models.maxing``: a convnet with far more layers than it needs, so
+that every device has plenty to do.  With ``--ratios auto`` (the default here) each device
+times a few solo steps at the first training step and the shares follow the measured
+speeds; the result is kept in a profile (``--profile``, default
+``~/.cache/multigpu/profiles.json``) so the next run starts balanced without measuring, and
+``--recalibrate`` measures again.  While training the shares move toward the measured
+compute speeds.  The script prints what calibration found
+(``model._multigpu_state.ratios`` and ``.speeds``), a where-the-time-went table per epoch
+(``parallelize(..., report=True)``) and samples/s per device and in total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+
+import multigpu
+from multigpu.models import get_model, maxing
+
+
+# ------------------------------------------------------------------ arguments
+def devices_arg(text: str) -> str | list[str]:
+    """``"auto"`` or a comma-separated device list."""
+    text = text.strip()
+    if text.lower() == "auto":
+        return "auto"
+    items = [d.strip() for d in text.split(",") if d.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. cpu:0,cpu:1")
+    return items
+
+
+def ratios_arg(text: str) -> str | list[float]:
+    """``"auto"`` or comma-separated positive numbers."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        values = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
+    if not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
+    p.add_argument("--ratios", type=ratios_arg, default="auto",
+                   help="'auto' (default here: measure, or reuse the profile) or numbers such as 3,1")
+    p.add_argument("--recalibrate", action="store_true", help="measure again even if the profile has an entry")
+    p.add_argument("--profile", default=None, help="profile JSON (default ~/.cache/multigpu/profiles.json)")
+    p.add_argument("--no-report", action="store_true", help="no where-the-time-went table per epoch")
+    p.add_argument("--width", type=float, default=None, help="filter-count scale (default 1.0 = 64; 0.25 with --quick)")
+    p.add_argument("--depth", type=int, default=None, help="convolutions (default 12; 6 with --quick)")
+    p.add_argument("--rows", type=int, default=None, help="synthetic 32x32x3 images (default 4096; 3072 with --quick)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 256; 128 with --quick)")
+    p.add_argument("--epochs", type=int, default=None, help="default 2 (1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a small model and few rows: about a minute on CPU")
+    a = p.parse_args(argv)
+    defaults = {"width": (1.0, 0.25), "depth": (12, 6), "rows": (4096, 3072), "batch_size": (256, 128),
+                "epochs": (2, 1)}
+    for name, (full, quick) in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    if min(a.depth, a.rows, a.batch_size, a.epochs) < 1 or a.width <= 0:
+        p.error("--depth, --rows, --batch-size and --epochs must be positive, --width above 0")
+    return a
+
+
+# ------------------------------------------------------------------ callbacks
+class AfterFirstStep(keras.callbacks.Callback):
+    """Keeps the ratios and speeds as they are after the first step (where calibration happens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ratios: list[float] | None = None
+        self.speeds: list[float] | None = None
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.ratios is None:
+            state = self.model._multigpu_state
+            self.ratios = [float(r) for r in state.ratios]
+            self.speeds = None if state.speeds is None else [float(s) for s in state.speeds]
+
+
+class Throughput(keras.callbacks.Callback):
+    """Samples/s of each epoch, leaving out its first step (warm-up and calibration)."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.rates: list[float] = []
+        self._steps = 0
+        self._start: float | None = None
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._steps, self._start = 0, None
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+        else:
+            self._steps += 1
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._steps and self._start is not None:
+            self.rates.append(self._steps * self.batch_size / (time.perf_counter() - self._start))
+
+
+# ----------------------------------------------------------------------- main
+def shares_text(ratios: list[float]) -> str:
+    return "/".join(f"{r / sum(ratios):.0%}" for r in ratios)
+
+
+def main() -> None:
+    args = parse_args()
+    keras.utils.set_random_seed(0)
+    spec = get_model("maxing")
+    model = maxing(args.width, depth=args.depth)
+    model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios, recalibrate=args.recalibrate,
+                                 profile=args.profile, report=not args.no_report)
+    spec.compile(model)  # Adam, sparse categorical cross-entropy, accuracy
+    x, y = spec.data(args.rows, 0)
+    state = model._multigpu_state
+    devices = state.runtime.devices
+    if multigpu.rank() == 0:
+        print(f"maxing: {args.depth} convolutions of {max(1, round(64 * args.width))} filters, "
+              f"{model.count_params():,} parameters; {args.rows} rows, global batch {args.batch_size}; "
+              f"devices {', '.join(d.label for d in devices)}; ratios {args.ratios}", flush=True)
+    first, meter = AfterFirstStep(), Throughput(args.batch_size)
+    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, callbacks=[first, meter], verbose=2)
+    if multigpu.rank() != 0:
+        return
+    print()
+    if first.speeds:
+        found = ", ".join(f"{d.label} {s:.1f} samples/s" for d, s in zip(devices, first.speeds))
+        print(f"calibration found: {found} -> ratios {[round(r, 3) for r in first.ratios]} "
+              f"(shares {shares_text(first.ratios)})")
+    else:
+        print(f"no calibration (given or equal ratios): ratios {first.ratios} (shares {shares_text(first.ratios)})")
+    if state.ratios != first.ratios:
+        print(f"after training (rebalanced): ratios {[round(r, 3) for r in state.ratios]} "
+              f"(shares {shares_text(state.ratios)})")
+    rate = meter.rates[-1] if meter.rates else float("nan")
+    shares = state.shares_for(args.batch_size)
+    print(f"\n{'device':<12}{'share':>8}{'batch':>8}{'samples/s':>12}")
+    for dev, ratio, rows in zip(devices, state.ratios, shares):
+        print(f"{dev.label:<12}{ratio / sum(state.ratios):>8.0%}{rows:>8}{rate * rows / args.batch_size:>12.1f}")
+    print(f"{'total':<12}{'100%':>8}{args.batch_size:>8}{rate:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()

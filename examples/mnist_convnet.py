@@ -1,0 +1,245 @@
+"""The convnet on Fashion-MNIST: one device against all of this machine's devices.
+
+    KERAS_BACKEND=torch python examples/mnist_convnet.py                       # every device vs the first
+    KERAS_BACKEND=torch python examples/mnist_convnet.py --quick               # about a minute on 2 CPU cores
+    KERAS_BACKEND=torch python examples/mnist_convnet.py --devices cpu:0,cpu:1@0.5 --ratios 2,1
+
+It is the convnet of Keras's old multi-GPU MNIST example (``multigpu.models.convnet``;
+``--width`` scales its filter counts), trained on Fashion-MNIST as installed by Debian's
+``dataset-fashion-mnist`` package (or in Keras's cache); without the files it says so and
+trains on synthetic data of the same shape.
+
+One process can parallelize only once, so the script first trains on the first device alone
+by running itself in a subprocess (``--devices FIRST --result-json PATH``, bound to that
+device's CPU cores), then trains on all devices through ``multigpu.parallelize`` and prints
+time per epoch, test accuracy and the speedup of both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import numpy as np
+
+import multigpu
+from multigpu import env as multigpu_env
+from multigpu.datasets import DataNotFoundError, load_mnist_like
+from multigpu.devices import Device, assign_cores, parse_devices
+from multigpu.launch import die_with_parent
+from multigpu.models import convnet, get_model
+
+CLASSES = 10
+
+
+# ------------------------------------------------------------------ arguments
+def devices_arg(text: str) -> str | list[str]:
+    """``"auto"`` or a comma-separated device list."""
+    text = text.strip()
+    if text.lower() == "auto":
+        return "auto"
+    items = [d.strip() for d in text.split(",") if d.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. cpu:0,cpu:1")
+    return items
+
+
+def ratios_arg(text: str) -> str | list[float]:
+    """``"auto"`` or comma-separated positive numbers."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        values = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
+    if not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
+    p.add_argument("--ratios", type=ratios_arg, default=None, help="e.g. 3,1, or 'auto' (default: equal "
+                   "shares for identical devices, measured otherwise)")
+    p.add_argument("--width", type=float, default=None, help="filter-count scale (default 1.0; 0.125 with --quick)")
+    p.add_argument("--epochs", type=int, default=None, help="default 3 (2 with --quick)")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch")
+    p.add_argument("--train-rows", type=int, default=None, help="training rows to use (default all; 2048 with --quick)")
+    p.add_argument("--test-rows", type=int, default=None, help="test rows to use (default all; 1000 with --quick)")
+    p.add_argument("--synthetic", action="store_true", help="use synthetic data even if Fashion-MNIST is installed")
+    p.add_argument("--no-baseline", action="store_true", help="skip the one-device run")
+    p.add_argument("--quick", action="store_true", help="a narrow model on a small subset: about a minute on CPU")
+    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # the one-device run's worker mode
+    a = p.parse_args(argv)
+    defaults = {"width": (1.0, 0.125), "epochs": (3, 2), "train_rows": (None, 2048), "test_rows": (None, 1000)}
+    for name, (full, quick) in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    if a.epochs < 1 or a.batch_size < 1 or a.width <= 0:
+        p.error("--epochs and --batch-size must be positive, --width above 0")
+    return a
+
+
+# ----------------------------------------------------------------------- data
+def load_data(args: argparse.Namespace) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], str]:
+    """Train and test arrays: images in [0, 1] of shape (N, 28, 28, 1), one-hot labels."""
+    source = "Fashion-MNIST"
+    try:
+        if args.synthetic:
+            raise DataNotFoundError("synthetic data requested (--synthetic)")
+        (x_train, y_train), (x_test, y_test) = load_mnist_like("fashion_mnist")
+    except DataNotFoundError as exc:
+        if multigpu.rank() == 0:
+            print(f"Fashion-MNIST not used ({exc}); falling back to synthetic data.", flush=True)
+        make = get_model("convnet").data  # standard-normal images, one-hot labels
+        x_train, y_train = make(args.train_rows or 6000, 0)
+        x_test, y_test = make(args.test_rows or 1000, 1)
+        x_train = 1 / (1 + np.exp(-x_train))  # squash into [0, 1] like pixel values
+        x_test = 1 / (1 + np.exp(-x_test))
+        return (x_train.astype("float32"), y_train), (x_test.astype("float32"), y_test), "synthetic"
+
+    def prepare(images: np.ndarray, labels: np.ndarray, rows: int | None) -> tuple[np.ndarray, np.ndarray]:
+        images, labels = images[:rows], labels[:rows]
+        x = (images.astype("float32") / 255.0).reshape(-1, 28, 28, 1)
+        y = keras.utils.to_categorical(labels, CLASSES).astype("float32")
+        return x, y
+
+    return prepare(x_train, y_train, args.train_rows), prepare(x_test, y_test, args.test_rows), source
+
+
+# ------------------------------------------------------------------- training
+class EpochTimer(keras.callbacks.Callback):
+    """Wall time of each training epoch (without validation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def steady_epoch_time(seconds: list[float]) -> float:
+    """Mean epoch time, leaving out the first epoch (warm-up) when there are more."""
+    timed = seconds[1:] if len(seconds) > 1 else seconds
+    return float(np.mean(timed))
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Trains on ``args.devices`` and returns rank 0's result (every rank trains)."""
+    keras.utils.set_random_seed(0)
+    (x_train, y_train), (x_test, y_test), source = load_data(args)
+    model = convnet(args.width)
+    model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios)
+    get_model("convnet").compile(model)  # RMSprop, categorical cross-entropy, accuracy
+    state = model._multigpu_state
+    timer = EpochTimer()
+    if multigpu.rank() == 0:
+        print(f"{multigpu.world_size()} device(s): {', '.join(d.label for d in state.runtime.devices)}; "
+              f"{len(x_train)} {source} training rows, width {args.width}, global batch {args.batch_size}",
+              flush=True)
+    model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, callbacks=[timer], verbose=2)
+    loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
+    return {
+        "devices": [d.label for d in state.runtime.devices],
+        "ratios": [float(r) for r in state.ratios],
+        "epoch_seconds": timer.seconds,
+        "time_per_epoch": steady_epoch_time(timer.seconds),
+        "test_loss": float(loss),
+        "test_accuracy": float(accuracy),
+        "data": source,
+    }
+
+
+# ------------------------------------------------------------ one-device run
+def independent_env() -> dict[str, str]:
+    """This environment without the variables that make a process a rank of a run."""
+    drop = {multigpu_env.RANK, multigpu_env.WORLD_SIZE, multigpu_env.MASTER_ADDR, multigpu_env.MASTER_PORT,
+            multigpu_env.DEVICES, multigpu_env.RATIOS, multigpu_env.LAUNCHER_PID,
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["KERAS_BACKEND"] = "torch"
+    return env
+
+
+def launched_by_another_tool() -> bool:
+    """True under ``multigpu run`` or ``torchrun``: every rank is already started."""
+    return multigpu_env.RANK in os.environ or all(os.environ.get(v) for v in multigpu_env.TORCHRUN_VARS)
+
+
+def run_one_device(args: argparse.Namespace, device: Device) -> dict:
+    """This script on ``device`` alone, in a subprocess bound to that device's cores."""
+    with tempfile.TemporaryDirectory(prefix="mnist-convnet-") as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, os.path.abspath(__file__), "--devices", device.spec, "--width", str(args.width),
+                   "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--result-json", str(out)]
+        for flag, value in (("--train-rows", args.train_rows), ("--test-rows", args.test_rows)):
+            if value is not None:
+                command += [flag, str(value)]
+        if args.synthetic:
+            command.append("--synthetic")
+
+        def bind() -> None:
+            die_with_parent()
+            if device.cores:  # the same cores the device has in the parallel run
+                os.sched_setaffinity(0, device.cores)
+
+        subprocess.run(command, env=independent_env(), preexec_fn=bind, check=True)
+        return json.loads(out.read_text())
+
+
+def print_comparison(one: dict | None, many: dict) -> None:
+    print(f"\n{'run':<28}{'time/epoch (s)':>16}{'test accuracy':>15}{'speed up':>10}")
+    rows = [("one device: " + one["devices"][0], one)] if one else []
+    rows.append((f"{len(many['devices'])} devices: " + ",".join(many["devices"]), many))
+    for name, result in rows:
+        speedup = f"{one['time_per_epoch'] / result['time_per_epoch']:.2f}x" if one else "-"
+        print(f"{name:<28}{result['time_per_epoch']:>16.2f}{result['test_accuracy']:>15.3f}{speedup:>10}")
+    if one:
+        shares = "/".join(f"{r / sum(many['ratios']):.0%}" for r in many["ratios"])
+        print(f"speedup: {one['time_per_epoch'] / many['time_per_epoch']:.2f}x with {len(many['devices'])} devices "
+              f"(shares {shares})")
+    print("(time per epoch leaves out the first epoch, which includes warm-up, when there are several)")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.result_json:  # the one-device run, started by the main run below
+        result = train(args)
+        if multigpu.rank() == 0:
+            Path(args.result_json).write_text(json.dumps(result))
+        return
+    one = None
+    devices = assign_cores(parse_devices(args.devices))
+    # Code before `parallelize` runs on every rank: only rank 0 starts the one-device run,
+    # and before parallelize, so that nothing else runs on the machine while it is timed.
+    if multigpu.rank() == 0 and not args.no_baseline:
+        if len(devices) < 2:
+            print("Only one device: nothing to compare against.", flush=True)
+        elif launched_by_another_tool():
+            print("Started by `multigpu run` or torchrun: skipping the one-device run.", flush=True)
+        else:
+            print(f"== one device ({devices[0].label}), in a subprocess ==", flush=True)
+            one = run_one_device(args, devices[0])
+            print(f"\n== all {len(devices)} devices ==", flush=True)
+    many = train(args)
+    if multigpu.rank() == 0:
+        print_comparison(one, many)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The examples under examples/, each run with --quick in fresh processes; the tests check what they print."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+TWO_CPUS = ["--devices", "cpu:0,cpu:1"]
+NUMBER = r"(\d+(?:\.\d+)?)"
+
+
+def run_example(runner, name: str, *args: str, timeout: float) -> str:
+    res = runner.run([sys.executable, str(EXAMPLES / name), "--quick", *args], timeout=timeout)
+    assert res.returncode == 0, res.stdout[-5000:]
+    return res.stdout
+
+
+@pytest.mark.timeout(150)
+def test_mnist_convnet_compares_one_device_with_all(runner):
+    out = run_example(runner, "mnist_convnet.py", *TWO_CPUS, timeout=140)
+    rows = {m[1]: (float(m[2]), float(m[3]), m[4]) for m in re.finditer(
+        rf"^(one device: CPU:0|2 devices: CPU:0,CPU:1) +{NUMBER} +{NUMBER} +(\S+)$", out, re.M)}
+    assert set(rows) == {"one device: CPU:0", "2 devices: CPU:0,CPU:1"}, out
+    real_data = "falling back to synthetic data" not in out
+    for seconds, accuracy, _ in rows.values():
+        assert seconds > 0
+        assert accuracy > (0.3 if real_data else 0.0), out  # 10 classes: chance is 0.1
+    assert rows["one device: CPU:0"][2] == "1.00x"
+    speedup = re.search(rf"^speedup: {NUMBER}x with 2 devices", out, re.M)
+    assert speedup and float(speedup[1]) > 0, out
+    assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(150)
+def test_gru_sequences_prints_a_row_per_batch_size_and_device_count(runner):
+    out = run_example(runner, "gru_sequences.py", *TWO_CPUS, timeout=140)
+    assert "| batch size | devices | accuracy | validation accuracy | time (s) | speed up |" in out
+    rows = [m.groups() for m in re.finditer(
+        rf"^\| (\d+) \| (\d+) \| {NUMBER} \| {NUMBER} \| {NUMBER} \| {NUMBER} \|$", out, re.M)]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(64, 1), (64, 2), (256, 1), (256, 2)], out
+    for _, devices, accuracy, val_accuracy, seconds, speedup in rows:
+        assert 0 <= float(accuracy) <= 1 and 0 <= float(val_accuracy) <= 1
+        assert float(seconds) > 0 and float(speedup) > 0
+        if devices == "1":
+            assert float(speedup) == 1.0
+    assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_maxing_calibrates_and_reports_samples_per_second(runner):
+    profile = runner.tmp_path / "profile.json"
+    out = run_example(runner, "maxing.py", "--devices", "cpu:0,cpu:1@0.5", "--recalibrate",
+                      "--profile", str(profile), timeout=110)
+    found = re.search(rf"^calibration found: CPU:0 {NUMBER} samples/s, CPU:1@0.5 {NUMBER} samples/s -> ratios",
+                      out, re.M)
+    assert found, out
+    assert float(found[2]) < float(found[1]), out  # the half-speed device measures slower
+    assert "where the time went in epoch 1" in out
+    for device in ("CPU:0", r"CPU:1@0\.5", "total"):
+        rate = re.search(rf"^{device} +\d+% +\d+ +{NUMBER}$", out, re.M)
+        assert rate and float(rate[1]) > 0, (device, out)
+    assert profile.exists()
+    assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_dense41m_scales_the_batch_with_the_devices(runner):
+    out = run_example(runner, "dense41m.py", *TWO_CPUS, timeout=110)
+    rows = {m[1].strip(): (int(m[2]), m[3], float(m[4]), float(m[5])) for m in re.finditer(
+        rf"^(1 device|2 devices, same batch|2 devices, batch x2) +(\d+) +([\d/]+) +{NUMBER} +{NUMBER}x$",
+        out, re.M)}
+    assert set(rows) == {"1 device", "2 devices, same batch", "2 devices, batch x2"}, out
+    assert rows["1 device"][:2] == (32, "32")
+    assert rows["2 devices, same batch"][:2] == (32, "16/16")
+    assert rows["2 devices, batch x2"][:2] == (64, "32/32")
+    for _, _, rate, speedup in rows.values():
+        assert rate > 0 and speedup > 0
+    assert re.search(r"^scaled batch: \d+\.\d\dx the samples/s of one device on 2 devices", out, re.M), out
+    assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(90)
+def test_migrated_multi_gpu_model_script_trains_saves_and_loads(runner):
+    out = run_example(runner, "migrate_from_multi_gpu_model.py", "--gpus", "2", "--ratios", "3,1", timeout=80)
+    assert "multigpu: 2 device(s): CPU:0 75%, CPU:1 25%" in out, out
+    assert "parallel_model is template: True" in out
+    assert "predictions match: True" in out, out
+    assert (runner.tmp_path / "migrated_model.keras").is_file()
+    source = (EXAMPLES / "migrate_from_multi_gpu_model.py").read_text()
+    assert "# from keras.utils import multi_gpu_model" in source
+    assert "\nfrom multigpu import multi_gpu_model\n" in source
+    assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(60)
+def test_examples_reject_bad_ratios(runner):
+    res = runner.run([sys.executable, str(EXAMPLES / "gru_sequences.py"), "--ratios", "3,x"], timeout=50)
+    assert res.returncode == 2, res.stdout
+    assert "--ratios takes 'auto' or numbers" in res.stdout
