@@ -180,15 +180,17 @@ def _check_caps(max_batch, n: int):
     return caps
 
 
-def multi_gpu_model(model, gpus: int | Sequence[int] | None = None, ratios: Sequence[float] | None = None, **kwargs):
+def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
+                    ratios: str | Sequence[float] | None = None, **kwargs):
     """Drop-in replacement for the old ``keras.utils.multi_gpu_model``.
 
     Args:
         model: the template model.
-        gpus: a number of GPUs (the first ``gpus``) or a list of GPU indices.
-            On a machine without GPUs, a number ``N`` gives ``N`` CPU devices.
+        gpus: a number of GPUs (the first ``gpus``), a list of GPU indices or
+            any device spellings ``parallelize`` takes, or ``"auto"``. On a
+            machine without GPUs, a number ``N`` gives ``N`` CPU devices.
         ratios: relative batch share per GPU, as in the community patch
-            (e.g. ``[768, 560]``); ``None`` gives equal shares.
+            (e.g. ``[768, 560]``), or ``"auto"``; ``None`` as in ``parallelize``.
         **kwargs: the old ``cpu_merge``/``cpu_relocation`` are accepted and
             ignored (there is no merge: every device holds a full replica).
 
@@ -205,6 +207,8 @@ def multi_gpu_model(model, gpus: int | Sequence[int] | None = None, ratios: Sequ
             raise ValueError(f"`gpus` must be at least 1. Received: gpus={gpus}")
         kind = "cuda" if cuda_device_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(gpus)]
+    elif isinstance(gpus, str):
+        devices = gpus
     else:
         devices = list(gpus)
     return parallelize(model, devices=devices, ratios=ratios)

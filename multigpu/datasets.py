@@ -82,7 +82,7 @@ def load_mnist_like(name: str = "fashion_mnist", folder: str | os.PathLike | Non
         name: ``"fashion_mnist"`` or ``"mnist"``.
         folder: a folder holding the IDX files (tried first).
     """
-    if name not in _FILES and name not in _DEBIAN:
+    if name not in _DEBIAN:
         raise ValueError(f"`name` must be 'fashion_mnist' or 'mnist'. Received: name={name!r}")
     where = find_idx_folder(name, folder)
     arrays = {key: load_idx(_file(where, stem)) for key, stem in _FILES.items()}

@@ -119,9 +119,11 @@ def _classes_data(shape, classes, onehot=False):
     def make(rows: int, seed: int = 0):
         rng = np.random.default_rng(seed)
         x = rng.normal(size=(rows, *shape)).astype("float32")
-        # a learnable label: the sign pattern of a few inputs
+        # a learnable label: which of `classes` equal slices of the input has
+        # the largest sum (a linear feature of the whole input)
         flat = x.reshape(rows, -1)
-        y = (flat[:, :classes] .argmax(axis=1)).astype("int64")
+        usable = flat[:, : flat.shape[1] - flat.shape[1] % classes]
+        y = usable.reshape(rows, classes, -1).sum(axis=2).argmax(axis=1).astype("int64")
         if onehot:
             y = np.eye(classes, dtype="float32")[y]
         return x, y
