@@ -24,53 +24,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
+from _common import add_device_arguments, apply_quick_defaults, run_worker, table_row
 
 import multigpu
-from multigpu import env as multigpu_env
 from multigpu.devices import Device, assign_cores, parse_devices
-from multigpu.launch import die_with_parent
 from multigpu.models import dense41m, get_model
 
 
 # ------------------------------------------------------------------ arguments
-def devices_arg(text: str) -> str | list[str]:
-    """``"auto"`` or a comma-separated device list."""
-    text = text.strip()
-    if text.lower() == "auto":
-        return "auto"
-    items = [d.strip() for d in text.split(",") if d.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. cpu:0,cpu:1")
-    return items
-
-
-def ratios_arg(text: str) -> str | list[float]:
-    """``"auto"`` or comma-separated positive numbers."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        values = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
-    p.add_argument("--ratios", type=ratios_arg, default=None, help="e.g. 3,1, or 'auto' (default: equal "
-                   "shares for identical devices, measured otherwise)")
+    add_device_arguments(p)
     p.add_argument("--batch-size", type=int, default=None, help="b: the one-device batch (default 64; 32 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20; 10 with --quick)")
     p.add_argument("--warmup", type=int, default=2, help="steps not timed at the start of each run")
@@ -79,10 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a narrow model and few steps: about a minute on CPU")
     p.add_argument("--worker", default=None, metavar="RESULT_JSON", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    defaults = {"batch_size": (64, 32), "steps": (20, 10), "width": (1.0, 0.05)}
-    for name, (full, quick) in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, quick if a.quick else full)
+    apply_quick_defaults(a, {"batch_size": (64, 32), "steps": (20, 10), "width": (1.0, 0.05)})
     if a.batch_size < 1 or a.steps < 2 or a.warmup < 0 or a.width <= 0:
         p.error("--batch-size must be positive, --steps at least 2, --warmup at least 0, --width above 0")
     return a
@@ -121,35 +88,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------- driver
-def independent_env() -> dict[str, str]:
-    """This environment without the variables that make a process a rank of a run."""
-    drop = {multigpu_env.RANK, multigpu_env.WORLD_SIZE, multigpu_env.MASTER_ADDR, multigpu_env.MASTER_PORT,
-            multigpu_env.DEVICES, multigpu_env.RATIOS, multigpu_env.LAUNCHER_PID,
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["KERAS_BACKEND"] = "torch"
-    return env
-
-
-def run_worker(args: argparse.Namespace, devices: list[Device], ratios: str | list[float] | None,
-               batch_size: int) -> dict:
+def run_configuration(args: argparse.Namespace, devices: list[Device], ratios: str | list[float] | None,
+                      batch_size: int) -> dict:
     """One configuration in fresh processes (the worker starts its other ranks itself)."""
-    cores = sorted({c for d in devices for c in d.cores})
-    with tempfile.TemporaryDirectory(prefix="dense41m-") as tmp:
-        out = Path(tmp) / "result.json"
-        command = [sys.executable, os.path.abspath(__file__), "--worker", str(out),
-                   "--devices", ",".join(d.spec for d in devices), "--batch-size", str(batch_size),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width)]
-        if ratios is not None:
-            command += ["--ratios", ratios if isinstance(ratios, str) else ",".join(f"{r:g}" for r in ratios)]
-
-        def bind() -> None:
-            die_with_parent()
-            if cores:  # these devices' cores in the full run, so 1 device means the first device's cores
-                os.sched_setaffinity(0, cores)
-
-        subprocess.run(command, env=independent_env(), preexec_fn=bind, check=True)
-        return json.loads(out.read_text())
+    options = ["--batch-size", str(batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--width", str(args.width)]
+    return run_worker(__file__, devices, options, ratios=ratios, prefix="dense41m-")
 
 
 def main() -> None:
@@ -170,18 +114,19 @@ def main() -> None:
           f"per run after {args.warmup} warm-up steps", flush=True)
     results = []
     for name, devs, ratios, batch in configs:
-        result = run_worker(args, devs, ratios, batch)
+        result = run_configuration(args, devs, ratios, batch)
         result["name"] = name
         results.append(result)
         print(f"{name}: global batch {batch} {result['shares']}, {result['samples_per_second']:.1f} samples/s",
               flush=True)
     base = results[0]["samples_per_second"]
     print(f"\n{results[0]['parameters']:,} parameters")
-    print(f"{'run':<26}{'global batch':>14}{'per device':>14}{'samples/s':>12}{'speed up':>10}")
+    widths = (26, 14, 14, 12, 10)
+    print(table_row(["run", "global batch", "per device", "samples/s", "speed up"], widths))
     for r in results:
         per_device = "/".join(str(s) for s in r["shares"])
-        print(f"{r['name']:<26}{r['batch_size']:>14}{per_device:>14}{r['samples_per_second']:>12.1f}"
-              f"{r['samples_per_second'] / base:>9.2f}x")
+        print(table_row([r["name"], r["batch_size"], per_device, f"{r['samples_per_second']:.1f}",
+                         f"{r['samples_per_second'] / base:.2f}x"], widths))
     if n > 1:
         print(f"\nscaled batch: {results[2]['samples_per_second'] / base:.2f}x the samples/s of one device "
               f"on {n} devices ({results[2]['samples_per_second'] / base / n:.0%} scaling efficiency); "

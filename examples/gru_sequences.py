@@ -19,51 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from _common import EpochTimer, add_device_arguments, apply_quick_defaults, run_worker, steady_epoch_time
 
 import multigpu
-from multigpu import env as multigpu_env
 from multigpu.devices import Device, assign_cores, parse_devices
-from multigpu.launch import die_with_parent
 from multigpu.models import gru
 
 TIMESTEPS, FEATURES, CLASSES = 40, 16, 4
 
 
 # ------------------------------------------------------------------ arguments
-def devices_arg(text: str) -> str | list[str]:
-    """``"auto"`` or a comma-separated device list."""
-    text = text.strip()
-    if text.lower() == "auto":
-        return "auto"
-    items = [d.strip() for d in text.split(",") if d.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. cpu:0,cpu:1")
-    return items
-
-
-def ratios_arg(text: str) -> str | list[float]:
-    """``"auto"`` or comma-separated positive numbers."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        values = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
-    return values
-
-
 def sizes_arg(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",")]
@@ -76,9 +47,7 @@ def sizes_arg(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
-    p.add_argument("--ratios", type=ratios_arg, default=None, help="e.g. 3,1, or 'auto' (default: equal "
-                   "shares for identical devices, measured otherwise)")
+    add_device_arguments(p)
     p.add_argument("--batch-sizes", type=sizes_arg, default=None,
                    help="global batch sizes (default 64,128,256,512,1024; 64,256 with --quick)")
     p.add_argument("--rows", type=int, default=None,
@@ -90,11 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", default=None, metavar="RESULT_JSON", help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)  # the worker's
     a = p.parse_args(argv)
-    defaults = {"batch_sizes": ([64, 128, 256, 512, 1024], [64, 256]), "rows": (8192, 2048),
-                "epochs": (3, 2), "width": (1.0, 0.5)}
-    for name, (full, quick) in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, quick if a.quick else full)
+    apply_quick_defaults(a, {"batch_sizes": ([64, 128, 256, 512, 1024], [64, 256]), "rows": (8192, 2048),
+                             "epochs": (3, 2), "width": (1.0, 0.5)})
     if a.rows < 10 or a.epochs < 1 or a.width <= 0:
         p.error("--rows must be at least 10, --epochs positive, --width above 0")
     return a
@@ -110,21 +76,6 @@ def make_sequences(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype("int64")
 
 
-class EpochTimer(keras.callbacks.Callback):
-    """Wall time of each training epoch (without validation)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-
-
 def worker(args: argparse.Namespace) -> None:
     """One configuration: trains on ``args.devices`` at ``args.batch_size``; rank 0 writes JSON."""
     keras.utils.set_random_seed(0)
@@ -136,47 +87,23 @@ def worker(args: argparse.Namespace) -> None:
     hist = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, validation_split=0.2,
                      callbacks=[timer], verbose=0)
     if multigpu.rank() == 0:
-        timed = timer.seconds[1:] if len(timer.seconds) > 1 else timer.seconds  # the first one warms up
         Path(args.worker).write_text(json.dumps({
             "batch_size": args.batch_size,
             "devices": multigpu.world_size(),
             "accuracy": float(hist.history["accuracy"][-1]),
             "val_accuracy": float(hist.history["val_accuracy"][-1]),
-            "time": float(np.mean(timed)),
+            "time": steady_epoch_time(timer.seconds),  # the first epoch, warm-up, left out
             "ratios": [float(r) for r in model._multigpu_state.ratios],
         }))
 
 
 # --------------------------------------------------------------------- driver
-def independent_env() -> dict[str, str]:
-    """This environment without the variables that make a process a rank of a run."""
-    drop = {multigpu_env.RANK, multigpu_env.WORLD_SIZE, multigpu_env.MASTER_ADDR, multigpu_env.MASTER_PORT,
-            multigpu_env.DEVICES, multigpu_env.RATIOS, multigpu_env.LAUNCHER_PID,
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["KERAS_BACKEND"] = "torch"
-    return env
-
-
-def run_worker(args: argparse.Namespace, devices: list[Device], ratios: str | list[float] | None,
-               batch_size: int) -> dict:
+def run_configuration(args: argparse.Namespace, devices: list[Device], ratios: str | list[float] | None,
+                      batch_size: int) -> dict:
     """One configuration in fresh processes (the worker starts its other ranks itself)."""
-    cores = sorted({c for d in devices for c in d.cores})
-    with tempfile.TemporaryDirectory(prefix="gru-sequences-") as tmp:
-        out = Path(tmp) / "result.json"
-        command = [sys.executable, os.path.abspath(__file__), "--worker", str(out),
-                   "--devices", ",".join(d.spec for d in devices), "--batch-size", str(batch_size),
-                   "--rows", str(args.rows), "--epochs", str(args.epochs), "--width", str(args.width)]
-        if ratios is not None:
-            command += ["--ratios", ratios if isinstance(ratios, str) else ",".join(f"{r:g}" for r in ratios)]
-
-        def bind() -> None:
-            die_with_parent()
-            if cores:  # these devices' cores in the full run, so 1 device means the first device's cores
-                os.sched_setaffinity(0, cores)
-
-        subprocess.run(command, env=independent_env(), preexec_fn=bind, check=True)
-        return json.loads(out.read_text())
+    options = ["--batch-size", str(batch_size), "--rows", str(args.rows), "--epochs", str(args.epochs),
+               "--width", str(args.width)]
+    return run_worker(__file__, devices, options, ratios=ratios, prefix="gru-sequences-")
 
 
 def device_counts(n: int) -> list[int]:
@@ -209,7 +136,7 @@ def main() -> None:
             ratios = args.ratios[:k] if isinstance(args.ratios, list) else args.ratios
             if k == 1:
                 ratios = None
-            result = run_worker(args, devices[:k], ratios, batch_size)
+            result = run_configuration(args, devices[:k], ratios, batch_size)
             base = result["time"] if k == 1 else base
             result["speedup"] = base / result["time"] if base else float("nan")
             rows.append(result)

@@ -25,41 +25,17 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
+from _common import add_device_arguments, apply_quick_defaults, shares_text, table_row
 
 import multigpu
 from multigpu.models import get_model, maxing
 
 
 # ------------------------------------------------------------------ arguments
-def devices_arg(text: str) -> str | list[str]:
-    """``"auto"`` or a comma-separated device list."""
-    text = text.strip()
-    if text.lower() == "auto":
-        return "auto"
-    items = [d.strip() for d in text.split(",") if d.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. cpu:0,cpu:1")
-    return items
-
-
-def ratios_arg(text: str) -> str | list[float]:
-    """``"auto"`` or comma-separated positive numbers."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        values = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
-    p.add_argument("--ratios", type=ratios_arg, default="auto",
-                   help="'auto' (default here: measure, or reuse the profile) or numbers such as 3,1")
+    add_device_arguments(p, ratios_default="auto",
+                         ratios_help="'auto' (default here: measure, or reuse the profile) or numbers such as 3,1")
     p.add_argument("--recalibrate", action="store_true", help="measure again even if the profile has an entry")
     p.add_argument("--profile", default=None, help="profile JSON (default ~/.cache/multigpu/profiles.json)")
     p.add_argument("--no-report", action="store_true", help="no where-the-time-went table per epoch")
@@ -70,11 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=None, help="default 2 (1 with --quick)")
     p.add_argument("--quick", action="store_true", help="a small model and few rows: about a minute on CPU")
     a = p.parse_args(argv)
-    defaults = {"width": (1.0, 0.25), "depth": (12, 6), "rows": (4096, 3072), "batch_size": (256, 128),
-                "epochs": (2, 1)}
-    for name, (full, quick) in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, quick if a.quick else full)
+    apply_quick_defaults(a, {"width": (1.0, 0.25), "depth": (12, 6), "rows": (4096, 3072), "batch_size": (256, 128),
+                             "epochs": (2, 1)})
     if min(a.depth, a.rows, a.batch_size, a.epochs) < 1 or a.width <= 0:
         p.error("--depth, --rows, --batch-size and --epochs must be positive, --width above 0")
     return a
@@ -121,10 +94,6 @@ class Throughput(keras.callbacks.Callback):
 
 
 # ----------------------------------------------------------------------- main
-def shares_text(ratios: list[float]) -> str:
-    return "/".join(f"{r / sum(ratios):.0%}" for r in ratios)
-
-
 def main() -> None:
     args = parse_args()
     keras.utils.set_random_seed(0)
@@ -156,10 +125,12 @@ def main() -> None:
               f"(shares {shares_text(state.ratios)})")
     rate = meter.rates[-1] if meter.rates else float("nan")
     shares = state.shares_for(args.batch_size)
-    print(f"\n{'device':<12}{'share':>8}{'batch':>8}{'samples/s':>12}")
+    widths = (12, 8, 8, 12)
+    print("\n" + table_row(["device", "share", "batch", "samples/s"], widths))
     for dev, ratio, rows in zip(devices, state.ratios, shares):
-        print(f"{dev.label:<12}{ratio / sum(state.ratios):>8.0%}{rows:>8}{rate * rows / args.batch_size:>12.1f}")
-    print(f"{'total':<12}{'100%':>8}{args.batch_size:>8}{rate:>12.1f}")
+        print(table_row([dev.label, f"{ratio / sum(state.ratios):.0%}", rows, f"{rate * rows / args.batch_size:.1f}"],
+                        widths))
+    print(table_row(["total", "100%", args.batch_size, f"{rate:.1f}"], widths))
 
 
 if __name__ == "__main__":

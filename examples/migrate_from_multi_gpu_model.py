@@ -22,35 +22,12 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from _common import add_device_arguments
 
 import multigpu
 
 # from keras.utils import multi_gpu_model          # Keras 2: the only line that changes
 from multigpu import multi_gpu_model
-
-
-def devices_arg(text: str) -> str | list[str]:
-    """``"auto"`` or a comma-separated device list (GPU indices or device names)."""
-    text = text.strip()
-    if text.lower() == "auto":
-        return "auto"
-    items = [d.strip() for d in text.split(",") if d.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. 0,1 or cpu:0,cpu:1")
-    return items
-
-
-def ratios_arg(text: str) -> str | list[float]:
-    """``"auto"`` or comma-separated positive numbers."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        values = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
-    return values
 
 
 def build_model(hidden: int) -> keras.Model:
@@ -65,8 +42,7 @@ def build_model(hidden: int) -> keras.Model:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=None, help="how many devices, the first ones (old style)")
-    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
-    p.add_argument("--ratios", type=ratios_arg, default=None, help="e.g. 768,560 (default: equal shares)")
+    add_device_arguments(p, ratios_help="e.g. 768,560 (default: equal shares)", devices_example="0,1 or cpu:0,cpu:1")
     p.add_argument("--epochs", type=int, default=None, help="default 5 (3 with --quick)")
     p.add_argument("--rows", type=int, default=None, help="synthetic rows (default 20000; 2048 with --quick)")
     p.add_argument("--batch-size", type=int, default=128)

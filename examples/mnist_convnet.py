@@ -20,57 +20,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from _common import (
+    EpochTimer,
+    add_device_arguments,
+    apply_quick_defaults,
+    run_worker,
+    shares_text,
+    steady_epoch_time,
+    table_row,
+)
 
 import multigpu
 from multigpu import env as multigpu_env
 from multigpu.datasets import DataNotFoundError, load_mnist_like
 from multigpu.devices import Device, assign_cores, parse_devices
-from multigpu.launch import die_with_parent
 from multigpu.models import convnet, get_model
 
 CLASSES = 10
 
 
 # ------------------------------------------------------------------ arguments
-def devices_arg(text: str) -> str | list[str]:
-    """``"auto"`` or a comma-separated device list."""
-    text = text.strip()
-    if text.lower() == "auto":
-        return "auto"
-    items = [d.strip() for d in text.split(",") if d.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("--devices takes 'auto' or comma-separated devices, e.g. cpu:0,cpu:1")
-    return items
-
-
-def ratios_arg(text: str) -> str | list[float]:
-    """``"auto"`` or comma-separated positive numbers."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        values = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios takes 'auto' or numbers such as 3,1. Received: {text!r}") from None
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--ratios must be positive. Received: {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=devices_arg, default="auto", help="comma-separated devices or 'auto'")
-    p.add_argument("--ratios", type=ratios_arg, default=None, help="e.g. 3,1, or 'auto' (default: equal "
-                   "shares for identical devices, measured otherwise)")
+    add_device_arguments(p)
     p.add_argument("--width", type=float, default=None, help="filter-count scale (default 1.0; 0.125 with --quick)")
     p.add_argument("--epochs", type=int, default=None, help="default 3 (2 with --quick)")
     p.add_argument("--batch-size", type=int, default=256, help="global batch")
@@ -81,10 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a narrow model on a small subset: about a minute on CPU")
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # the one-device run's worker mode
     a = p.parse_args(argv)
-    defaults = {"width": (1.0, 0.125), "epochs": (3, 2), "train_rows": (None, 2048), "test_rows": (None, 1000)}
-    for name, (full, quick) in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, quick if a.quick else full)
+    apply_quick_defaults(a, {"width": (1.0, 0.125), "epochs": (3, 2), "train_rows": (None, 2048),
+                             "test_rows": (None, 1000)})
     if a.epochs < 1 or a.batch_size < 1 or a.width <= 0:
         p.error("--epochs and --batch-size must be positive, --width above 0")
     return a
@@ -118,27 +94,6 @@ def load_data(args: argparse.Namespace) -> tuple[tuple[np.ndarray, np.ndarray], 
 
 
 # ------------------------------------------------------------------- training
-class EpochTimer(keras.callbacks.Callback):
-    """Wall time of each training epoch (without validation)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-
-
-def steady_epoch_time(seconds: list[float]) -> float:
-    """Mean epoch time, leaving out the first epoch (warm-up) when there are more."""
-    timed = seconds[1:] if len(seconds) > 1 else seconds
-    return float(np.mean(timed))
-
-
 def train(args: argparse.Namespace) -> dict:
     """Trains on ``args.devices`` and returns rank 0's result (every rank trains)."""
     keras.utils.set_random_seed(0)
@@ -166,16 +121,6 @@ def train(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------ one-device run
-def independent_env() -> dict[str, str]:
-    """This environment without the variables that make a process a rank of a run."""
-    drop = {multigpu_env.RANK, multigpu_env.WORLD_SIZE, multigpu_env.MASTER_ADDR, multigpu_env.MASTER_PORT,
-            multigpu_env.DEVICES, multigpu_env.RATIOS, multigpu_env.LAUNCHER_PID,
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["KERAS_BACKEND"] = "torch"
-    return env
-
-
 def launched_by_another_tool() -> bool:
     """True under ``multigpu run`` or ``torchrun``: every rank is already started."""
     return multigpu_env.RANK in os.environ or all(os.environ.get(v) for v in multigpu_env.TORCHRUN_VARS)
@@ -183,36 +128,26 @@ def launched_by_another_tool() -> bool:
 
 def run_one_device(args: argparse.Namespace, device: Device) -> dict:
     """This script on ``device`` alone, in a subprocess bound to that device's cores."""
-    with tempfile.TemporaryDirectory(prefix="mnist-convnet-") as tmp:
-        out = Path(tmp) / "result.json"
-        command = [sys.executable, os.path.abspath(__file__), "--devices", device.spec, "--width", str(args.width),
-                   "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--result-json", str(out)]
-        for flag, value in (("--train-rows", args.train_rows), ("--test-rows", args.test_rows)):
-            if value is not None:
-                command += [flag, str(value)]
-        if args.synthetic:
-            command.append("--synthetic")
-
-        def bind() -> None:
-            die_with_parent()
-            if device.cores:  # the same cores the device has in the parallel run
-                os.sched_setaffinity(0, device.cores)
-
-        subprocess.run(command, env=independent_env(), preexec_fn=bind, check=True)
-        return json.loads(out.read_text())
+    options = ["--width", str(args.width), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+    for flag, value in (("--train-rows", args.train_rows), ("--test-rows", args.test_rows)):
+        if value is not None:
+            options += [flag, str(value)]
+    if args.synthetic:
+        options.append("--synthetic")
+    return run_worker(__file__, [device], options, result_flag="--result-json", prefix="mnist-convnet-")
 
 
 def print_comparison(one: dict | None, many: dict) -> None:
-    print(f"\n{'run':<28}{'time/epoch (s)':>16}{'test accuracy':>15}{'speed up':>10}")
+    widths = (28, 16, 15, 10)
+    print("\n" + table_row(["run", "time/epoch (s)", "test accuracy", "speed up"], widths))
     rows = [("one device: " + one["devices"][0], one)] if one else []
     rows.append((f"{len(many['devices'])} devices: " + ",".join(many["devices"]), many))
     for name, result in rows:
         speedup = f"{one['time_per_epoch'] / result['time_per_epoch']:.2f}x" if one else "-"
-        print(f"{name:<28}{result['time_per_epoch']:>16.2f}{result['test_accuracy']:>15.3f}{speedup:>10}")
+        print(table_row([name, f"{result['time_per_epoch']:.2f}", f"{result['test_accuracy']:.3f}", speedup], widths))
     if one:
-        shares = "/".join(f"{r / sum(many['ratios']):.0%}" for r in many["ratios"])
         print(f"speedup: {one['time_per_epoch'] / many['time_per_epoch']:.2f}x with {len(many['devices'])} devices "
-              f"(shares {shares})")
+              f"(shares {shares_text(many['ratios'])})")
     print("(time per epoch leaves out the first epoch, which includes warm-up, when there are several)")
 
 

@@ -87,7 +87,7 @@ class Rebalancer:
 
     ratios: list[float]
     smoothing: float = 0.5
-    threshold: float = 0.03
+    threshold: float = 0.02
     batch_size: int = 256
     caps: list[int | None] | None = None
     speeds: list[float] | None = field(default=None)
