@@ -66,8 +66,10 @@ def test_callbacks_checkpoint_and_saved_model(runner):
     par = runner.script("keras_features.py", "two_input", str(runner.tmp_path / "par.npz"))
     assert par.returncode == 0, par.stdout
     r0, r1 = load(runner.tmp_path / "par.npz"), load(runner.tmp_path / "par.npz.rank1.npz")
-    # Every rank saw the same global logs, so EarlyStopping stopped both at once.
+    # Every rank saw the same global logs, so EarlyStopping stopped both at
+    # once and ReduceLROnPlateau / LearningRateScheduler set the same rates.
     assert r0["history"] == r1["history"]
+    assert float(r0["lr"]) == float(r1["lr"]) < 0.01
     assert "val_loss" in r0["history"] and "val_accuracy" in r0["history"]
     # Dropout draws differently on each rank; BatchNorm statistics agree.
     assert not np.array_equal(r0["mask"], r1["mask"])

@@ -56,6 +56,8 @@ def two_input(a):
         keras.callbacks.ModelCheckpoint(ckpt, monitor="val_loss", save_best_only=True),
         keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),
         keras.callbacks.CSVLogger(os.path.join(os.path.dirname(os.path.abspath(a.out)), "log.csv")),
+        keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5),
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.95),
     ]
     hist = model.fit(x, y, batch_size=32, epochs=8, validation_split=0.2, class_weight={0: 1.0, 1: 2.0, 2: 3.0},
                      callbacks=callbacks, verbose=0)
@@ -65,7 +67,8 @@ def two_input(a):
     # Dropout must draw different numbers on each rank.
     dropout = next(layer for layer in model.layers if isinstance(layer, keras.layers.Dropout))
     mask = keras.ops.convert_to_numpy(dropout(keras.ops.ones((64, 16)), training=True))
-    save(a, rank, pred=pred, mask=mask, history=hist.history, probe_a=probe["a"], probe_b=probe["b"],
+    lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    save(a, rank, pred=pred, mask=mask, history=hist.history, lr=np.array(lr), probe_a=probe["a"], probe_b=probe["b"],
          weights_moving=np.concatenate([w.ravel() for w in model.get_weights()]))
 
 
