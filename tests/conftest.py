@@ -47,7 +47,8 @@ class Runner:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
         env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   MULTIGPU_TEST_TOKEN=self.token, PYTHONWARNINGS="ignore")
+                   MULTIGPU_TEST_TOKEN=self.token, PYTHONWARNINGS="ignore",
+                   MULTIGPU_PROFILE=str(self.tmp_path / "profiles.json"))
         env.update(extra or {})
         return env
 
