@@ -32,7 +32,7 @@ _HERE = Path(__file__).resolve().parent
 
 def _pin(cores):
     def pre():
-        from multigpu.launch import die_with_parent
+        from multigpu.processes import die_with_parent
 
         if cores:
             os.sched_setaffinity(0, cores)
@@ -50,7 +50,7 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
         stream: let rank 0 print its progress lines.
     """
     from multigpu.devices import assign_cores, parse_devices
-    from multigpu.launch import RankGroup
+    from multigpu.processes import RankGroup
 
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
         out = Path(tmp) / "result.json"

@@ -19,21 +19,19 @@ with a message that names it.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from multigpu import env
 from multigpu.devices import Device, assign_cores, parse_devices
 from multigpu.planning import validate_ratios
+from multigpu.processes import die_with_parent, loopback_listener, rank_environment
 
 __all__ = ["Runtime", "current", "die_with_parent", "rank", "rerun_command", "start", "world_size"]
 
@@ -133,47 +131,6 @@ def rerun_command() -> list[str]:
             "`multigpu run --devices ... train.py`, or `torchrun`."
         )
     return [sys.executable, *argv]
-
-
-def die_with_parent() -> None:
-    """Asks Linux to send SIGTERM to this process when its parent exits."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - non-Linux
-        pass
-
-
-def loopback_listener() -> socket.socket:
-    """A socket listening on 127.0.0.1 on a free port (for the store)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
-
-
-def rank_environment(
-    rank_: int, devices: Sequence[Device], ratios: Sequence[float] | str | None, port: int, timeout: float
-) -> dict[str, str]:
-    """The environment variables that tell a started process who it is."""
-    dev = devices[rank_]
-    variables = {
-        env.RANK: str(rank_),
-        env.WORLD_SIZE: str(len(devices)),
-        env.MASTER_ADDR: "127.0.0.1",
-        env.MASTER_PORT: str(port),
-        env.DEVICES: ",".join(d.spec for d in devices),
-        env.LAUNCHER_PID: str(os.getpid()),
-        env.TIMEOUT: f"{timeout:g}",
-        "KERAS_BACKEND": "torch",
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-    }
-    if ratios is not None:  # only ratios given on the command line travel
-        variables[env.RATIOS] = ratios if isinstance(ratios, str) else ",".join(f"{r:g}" for r in ratios)
-    if not dev.is_cuda:
-        variables["OMP_NUM_THREADS"] = str(max(1, len(dev.cores)))
-    return variables
 
 
 def _resolve(devices, ratios, timeout) -> tuple[list[Device], list[float], float]:
@@ -368,70 +325,6 @@ def _join_torchrun(devices, ratios, timeout) -> Runtime:
         mine if r == rank_ else parse_devices([s], num_gpus=10**6)[0] for r, s in enumerate(specs)
     ]
     return runtime
-
-
-class RankGroup:
-    """Starts ``command`` once per device with rank variables, hosting the store.
-
-    Used by ``multigpu run`` and ``multigpu bench``.
-
-    Args:
-        command: the command line every rank runs.
-        devices: one device per rank (cores assigned).
-        ratios: ratios given on the command line, or None/"auto".
-        timeout: seconds a collective may wait.
-        env_extra: more environment variables for every rank.
-    """
-
-    def __init__(self, command: list[str], devices: Sequence[Device], ratios, timeout: float,
-                 env_extra: dict[str, str] | None = None, stdout=None) -> None:
-        import torch.distributed as dist
-
-        self.listener = loopback_listener()
-        port = self.listener.getsockname()[1]
-        self.store = dist.TCPStore(
-            "127.0.0.1", port, len(devices), True, datetime.timedelta(seconds=timeout),
-            wait_for_workers=False, master_listen_fd=self.listener.fileno(),
-        )
-        self.listener.detach()  # the store owns the socket now
-        self.devices = list(devices)
-        self.procs: list[subprocess.Popen] = []
-        for r in range(len(devices)):
-            child_env = dict(os.environ)
-            child_env.update(rank_environment(r, devices, ratios, port, timeout))
-            child_env.update(env_extra or {})
-            self.procs.append(subprocess.Popen(
-                command, env=child_env, preexec_fn=die_with_parent, stdout=stdout,
-            ))
-
-    def wait(self) -> tuple[int, int | None]:
-        """Waits until all succeed or one fails; returns (code, failed rank)."""
-        while True:
-            codes = [p.poll() for p in self.procs]
-            for r, code in enumerate(codes):
-                if code not in (None, 0):
-                    return code, r
-            if all(c == 0 for c in codes):
-                return 0, None
-            time.sleep(0.1)
-
-    def stop(self, grace: float = 5.0) -> None:
-        """Terminates the ranks still running (SIGTERM, then SIGKILL)."""
-        live = [p for p in self.procs if p.poll() is None]
-        for p in live:
-            p.terminate()
-        deadline = time.monotonic() + grace
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.store = None  # shuts the store's server down
-
-    def describe_failure(self, code: int, rank_: int) -> str:
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"rank {rank_} ({self.devices[rank_].label}) {how}"
 
 
 class _Supervisor:

@@ -17,8 +17,8 @@ import signal
 import sys
 
 from multigpu.devices import assign_cores, parse_devices
-from multigpu.launch import RankGroup
 from multigpu.planning import validate_ratios
+from multigpu.processes import RankGroup
 
 
 def add_parser(sub) -> None:
