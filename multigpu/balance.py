@@ -14,6 +14,7 @@ same decision.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,18 +81,19 @@ class Rebalancer:
         smoothing: weight of a new measurement in the running speed estimate
             (exponential moving average), in (0, 1].
         threshold: move only when the predicted step time improves by more
-            than this fraction.
+            than this fraction (or 1.5 times the measured noise, if larger).
         batch_size: the global batch the prediction uses.
         caps: optional per-device maximum local batch.
     """
 
     ratios: list[float]
-    smoothing: float = 0.5
+    smoothing: float = 0.3
     threshold: float = 0.02
     batch_size: int = 256
     caps: list[int | None] | None = None
     speeds: list[float] | None = field(default=None)
     changes: int = 0
+    history: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
@@ -118,6 +120,7 @@ class Rebalancer:
                 return False
             fill = min(known)
             measured = [fill if m is None else m for m in measured]
+        self.history = [*self.history[-7:], list(measured)]
         if self.speeds is None:
             self.speeds = measured
         else:
@@ -131,13 +134,36 @@ class Rebalancer:
         total = sum(self.speeds)
         return [s / total for s in self.speeds]
 
+    def noise(self) -> float:
+        """Relative noise of one window's speed measurement, worst device.
+
+        Estimated from successive differences (median absolute difference
+        over the mean, divided by sqrt 2), which a genuine change of speed
+        (a step) barely moves, unlike the plain spread of the measurements.
+        """
+        if len(self.history) < 4:
+            return 0.0
+        worst = 0.0
+        for r in range(len(self.history[0])):
+            series = [h[r] for h in self.history]
+            diffs = sorted(abs(b - a) for a, b in itertools.pairwise(series))
+            mean = sum(series) / len(series)
+            if mean > 0:
+                worst = max(worst, diffs[len(diffs) // 2] / mean / math.sqrt(2))
+        return worst
+
     def maybe_move(self) -> bool:
         if self.speeds is None:
             return False
         new = self.proposal()
-        now = predicted_step_time(capped_split(self.batch_size, self.ratios, self.caps), self.speeds)
-        then = predicted_step_time(capped_split(self.batch_size, new, self.caps), self.speeds)
-        if then < now * (1 - self.threshold):
+        current_shares = capped_split(self.batch_size, self.ratios, self.caps)
+        new_shares = capped_split(self.batch_size, new, self.caps)
+        if new_shares == current_shares:
+            return False  # the same samples per device: nothing would change
+        now = predicted_step_time(current_shares, self.speeds)
+        then = predicted_step_time(new_shares, self.speeds)
+        # Move only for a gain clearly above the measurement noise.
+        if then < now * (1 - max(self.threshold, 1.5 * self.noise())):
             self.ratios = new
             self.changes += 1
             return True

@@ -86,10 +86,11 @@ class BalancingMixin:
         self.rebalancer = Rebalancer(list(self.ratios), batch_size=self._batch_size or 1, caps=self.caps)
         if self.speeds:
             self.rebalancer.speeds = list(self.speeds)
-        # A window of at least ~1 s of steps (the same on every rank: it
-        # comes from the all-reduced speeds), and at least 5 steps.
+        # A window of at least ~2 s of steps (the same on every rank: it
+        # comes from the all-reduced speeds), and at least 5 steps: shorter
+        # windows measure scheduler noise (a CPU quota's 100 ms period, say).
         step_seconds = (self._batch_size or 1) / max(sum(self.speeds or [1.0]), 1e-9)
-        self.rebalance_every = int(min(50, max(5, 1.0 / max(step_seconds, 1e-6))))
+        self.rebalance_every = int(min(50, max(5, 2.0 / max(step_seconds, 1e-6))))
         self.timing.reset_window()
 
     def _rebalance(self) -> None:

@@ -126,3 +126,19 @@ def test_throttled_rank_ends_with_the_smaller_share_and_profile_is_reused(runner
     assert "cannot use the profile" in bad.stdout and "not valid JSON" in bad.stdout
     assert "calibrated in" in bad.stdout
     assert runner.leftovers() == []
+
+
+def test_noise_raises_the_bar_but_a_real_slowdown_still_moves_shares():
+    rb = Rebalancer([2.0, 1.0], batch_size=256, smoothing=0.3, threshold=0.02)
+    # Device 1 measures 316..357 samples/s around a true 330: +-6% noise.
+    for s1 in (316, 357, 327, 349, 320, 352, 318, 345):
+        shares = capped_split(256, rb.ratios)
+        rb.observe([shares[0] / 640, shares[1] / s1], shares)
+    assert rb.noise() > 0.03
+    assert rb.changes <= 1  # no flapping between 62% and 66%
+    before = rb.changes
+    for _ in range(6):  # then it really halves
+        shares = capped_split(256, rb.ratios)
+        rb.observe([shares[0] / 640, shares[1] / 165], shares)
+    assert rb.changes > before
+    assert rb.ratios[0] / sum(rb.ratios) > 0.75
