@@ -83,9 +83,11 @@ class BalancingMixin:
     def _start_rebalancer(self) -> None:
         if not self.rebalance:
             return
+        # The calibration's speeds only set the starting shares; they are not
+        # the rebalancer's prior: they were measured at the candidate shares
+        # (equal, say), and per-sample speed depends on the local batch, so
+        # the first window measured at the new shares replaces them outright.
         self.rebalancer = Rebalancer(list(self.ratios), batch_size=self._batch_size or 1, caps=self.caps)
-        if self.speeds:
-            self.rebalancer.speeds = list(self.speeds)
         # A window of at least ~2 s of steps (the same on every rank: it
         # comes from the all-reduced speeds), and at least 5 steps: shorter
         # windows measure scheduler noise (a CPU quota's 100 ms period, say).
