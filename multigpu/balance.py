@@ -121,6 +121,12 @@ class Rebalancer:
             fill = min(known)
             measured = [fill if m is None else m for m in measured]
         self.history = [*self.history[-7:], list(measured)]
+        if len(self.history) >= 3:
+            # The median of the last three windows: one outlying window (a
+            # throttled device bursting after idling, a hiccup of the
+            # machine) does not move the shares; a real change of speed
+            # passes one window later.
+            measured = [sorted(h[r] for h in self.history[-3:])[1] for r in range(len(measured))]
         if self.speeds is None:
             self.speeds = measured
         else:

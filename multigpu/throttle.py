@@ -16,7 +16,7 @@ from pathlib import Path
 __all__ = ["CpuQuota", "QuotaError", "cgroup_status"]
 
 _ROOT = Path("/sys/fs/cgroup")
-_PERIOD_US = 100_000
+_PERIOD_US = 10_000  # short, so a throttled process cannot run far ahead in a burst after idling
 
 
 class QuotaError(RuntimeError):
