@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from multigpu import launch
-from multigpu.devices import Device, cuda_device_count, parse_devices, usable_cores
+from multigpu.devices import Device, cuda_device_count, usable_cores
 
 __all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "world_size"]
 
@@ -233,8 +233,3 @@ def rank() -> int:
 def world_size() -> int:
     """The number of devices (processes) in the run (1 outside a run)."""
     return launch.world_size()
-
-
-def _parse(devices) -> list[Device]:  # used by the command line
-    return parse_devices(devices)
-

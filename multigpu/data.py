@@ -196,7 +196,7 @@ def cut_batch(batch, shares_for: Callable[[int], Sequence[int]], rank: int):
 
     leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
     if not leaves:
-        raise ValueError("A batch must contain at least one array.")
+        raise ValueError(f"A batch must contain at least one array. Received: {type(batch).__name__} {batch!r:.100}")
     rows = int(leaves[0].shape[0])
     shares = list(shares_for(rows))
     begin = sum(shares[:rank])

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from multigpu import env
 from multigpu.devices import Device, assign_cores, parse_devices
 from multigpu.planning import validate_ratios
-from multigpu.processes import die_with_parent, loopback_listener, rank_environment
+from multigpu.processes import die_with_parent, loopback_listener, rank_environment, stop_processes
 
 __all__ = ["Runtime", "current", "die_with_parent", "rank", "rerun_command", "start", "world_size"]
 
@@ -400,16 +400,7 @@ class _Supervisor:
                     os._exit(1)
 
     def kill_children(self, grace: float) -> None:
-        children = [c for c in self.runtime.children if c.poll() is None]
-        for c in children:
-            c.terminate()
-        deadline = time.monotonic() + grace
-        for c in children:
-            try:
-                c.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.kill()
-                c.wait()
+        stop_processes(self.runtime.children, grace)
 
     def finish(self) -> None:
         """Leaves the group with the others, waits for them, names any that failed."""

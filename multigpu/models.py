@@ -34,15 +34,6 @@ class ModelSpec:
     data: Callable[[int, int], tuple]
     compile: Callable[[object], None]
 
-    def make(self, width: float = 1.0):
-        import keras
-
-        model = self.build(width)
-        if not getattr(model, "compiled", False) and getattr(model, "optimizer", None) is None:
-            self.compile(model)
-        del keras
-        return model
-
 
 def _w(n: int, width: float) -> int:
     return max(1, round(n * width))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from multigpu import env
 from multigpu.devices import Device
 
-__all__ = ["RankGroup", "die_with_parent", "loopback_listener", "rank_environment"]
+__all__ = ["RankGroup", "die_with_parent", "loopback_listener", "rank_environment", "stop_processes"]
 
 
 def die_with_parent() -> None:
@@ -62,6 +62,20 @@ def rank_environment(
     if not dev.is_cuda:
         variables["OMP_NUM_THREADS"] = str(max(1, len(dev.cores)))
     return variables
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to every process still running, SIGKILL to those alive after ``grace`` s."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class RankGroup:
@@ -111,16 +125,7 @@ class RankGroup:
 
     def stop(self, grace: float = 5.0) -> None:
         """Terminates the ranks still running (SIGTERM, then SIGKILL)."""
-        live = [p for p in self.procs if p.poll() is None]
-        for p in live:
-            p.terminate()
-        deadline = time.monotonic() + grace
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, grace)
         self.store = None  # shuts the store's server down
 
     def describe_failure(self, code: int, rank_: int) -> str:

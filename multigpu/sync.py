@@ -20,7 +20,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightedGradSync", "average_variables", "exchange_sizes", "global_metric_states"]
+__all__ = [
+    "WeightedGradSync",
+    "average_variables",
+    "check_same_on_every_rank",
+    "exchange_sizes",
+    "global_metric_states",
+]
 
 
 class _HookState:
@@ -174,21 +180,6 @@ def average_variables(variables: Sequence, weight: float) -> None:
     values = [v.value.detach() for v in variables]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in values]) * weight
     dist.all_reduce(flat)
-    offset = 0
-    with torch.no_grad():
-        for v, t in zip(variables, values):
-            n = t.numel()
-            v.value.copy_(flat[offset : offset + n].view(t.shape).to(t.dtype))
-            offset += n
-
-
-def broadcast_variables(variables: Sequence, src: int = 0) -> None:
-    """Copies rank ``src``'s values of ``variables`` to every rank."""
-    if not variables:
-        return
-    values = [v.value.detach() for v in variables]
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in values])
-    dist.broadcast(flat, src)
     offset = 0
     with torch.no_grad():
         for v, t in zip(variables, values):

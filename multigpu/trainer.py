@@ -337,7 +337,10 @@ class ParallelState(BalancingMixin):
             if not is_array_data(*(s for s in (y, sample_weight) if s is not None)) and (
                 y is not None or sample_weight is not None
             ):
-                raise TypeError(f"{what}: `y` and `sample_weight` must be arrays when `x` is.")
+                raise TypeError(
+                    f"{what}: `y` and `sample_weight` must be NumPy arrays or torch tensors when `x` is. "
+                    f"Received: y of type {type(y).__name__}, sample_weight of type {type(sample_weight).__name__}"
+                )
             rows = num_rows(x, y, sample_weight)
             batch_size = self._check_batch_size(batch_size, rows, what)
             self.shares_for(batch_size)  # a batch that no device cap allows fails here, on every rank

@@ -19,18 +19,13 @@ def test_shares_sum_to_total_and_are_non_negative(total, ratios):
 
 
 @given(total=st.integers(0, 10_000), ratios=ratios_st)
-def test_shares_follow_ratios_within_one_sample(total, ratios):
-    shares = split(total, ratios)
+def test_minimum_one_rule_only_moves_single_samples(total, ratios):
+    # Where the minimum-one rule lifts a tiny share to 1, every share still
+    # stays within one sample of its exact value, plus the one sample given.
     norm = sum(ratios)
-    positive = len(ratios)
-    for share, r in zip(shares, ratios):
-        exact = total * r / norm
-        if total >= positive and exact < 1:
-            # the minimum-one rule may lift a tiny share to 1 and take the
-            # sample from the largest share
-            assert share == 1
-        else:
-            assert abs(share - exact) < 2 or (total >= positive and share >= 1)
+    lifted = sum(1 for r in ratios if total * r / norm < 1) if total >= len(ratios) else 0
+    for share, r in zip(split(total, ratios), ratios):
+        assert abs(share - total * r / norm) < 1 + lifted
 
 
 @given(total=st.integers(0, 10_000), ratios=ratios_st)
@@ -47,8 +42,8 @@ def test_every_device_gets_a_sample_when_batch_allows(total, ratios):
     shares = split(total, ratios)
     if total >= len(ratios):
         assert all(s >= 1 for s in shares)
-    else:
-        assert sorted(shares, reverse=True)[:total] == [1] * total or sum(shares) == total
+    else:  # too few samples for everyone: some devices get none, none gets a negative share
+        assert shares.count(0) >= len(ratios) - total and min(shares) >= 0
 
 
 def test_batch_smaller_than_devices_leaves_some_devices_empty():

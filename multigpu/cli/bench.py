@@ -90,6 +90,7 @@ def _where_time_goes(result: dict) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from multigpu.balance import balance_efficiency
     from multigpu.bench import run_config, solo_devices_config
     from multigpu.planning import split
 
@@ -117,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
             summary["solo"].append(result)
             print(f"  solo {solo['label']}[{solo['batch']}]: {result['samples_per_second']:.1f} samples/s",
                   flush=True)
-        solo_sum = sum(r["samples_per_second"] for r in summary["solo"])
-        summary["balance_efficiency"] = main["samples_per_second"] / solo_sum
+        summary["balance_efficiency"] = balance_efficiency(
+            main["samples_per_second"], [r["samples_per_second"] for r in summary["solo"]])
         print(f"balance efficiency: {summary['balance_efficiency']:.3f} "
               "(total samples/s over the sum of each device's solo samples/s)")
     lines = _where_time_goes(main)

@@ -46,7 +46,7 @@ def parse_ratios(text: str | None, n: int) -> list[float] | None:
 
 def run(args: argparse.Namespace) -> int:
     if not os.path.exists(args.script):
-        raise ValueError(f"no such script: {args.script!r}")
+        raise ValueError(f"no such script: {args.script!r}; give the path of the Python script to run")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0. Received: {args.max_restarts}")
     if args.timeout <= 0:
