@@ -130,7 +130,9 @@ def rerun_command() -> list[str]:
             "the code in a script and run it with `python train.py`, "
             "`multigpu run --devices ... train.py`, or `torchrun`."
         )
-    return [sys.executable, *argv]
+    from multigpu import rank_entry
+
+    return rank_entry.command([sys.executable, *argv])
 
 
 def _resolve(devices, ratios, timeout) -> tuple[list[Device], list[float], float]:

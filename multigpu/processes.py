@@ -116,9 +116,12 @@ class RankGroup:
         """Waits until all succeed or one fails; returns (code, failed rank)."""
         while True:
             codes = [p.poll() for p in self.procs]
-            for r, code in enumerate(codes):
-                if code not in (None, 0):
-                    return code, r
+            failed = [(r, code) for r, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # A rank killed by a signal is the cause; ranks that exited
+                # with an error in the same interval most likely lost a peer.
+                r, code = min(failed, key=lambda rc: (rc[1] > 0, rc[0]))
+                return code, r
             if all(c == 0 for c in codes):
                 return 0, None
             time.sleep(0.1)

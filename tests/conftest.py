@@ -35,6 +35,12 @@ def processes_with_token(token: str) -> list[int]:
     return found
 
 
+def _default_sigint() -> None:
+    # A shell runs background jobs with SIGINT ignored, and children inherit
+    # that; the interrupt tests need the default (KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Runner:
     """Runs commands with the test environment; kills them on timeout."""
 
@@ -56,6 +62,7 @@ class Runner:
         return subprocess.Popen(
             args, env=self.env(extra_env), cwd=self.tmp_path, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=_default_sigint,
         )
 
     def finish(self, proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:

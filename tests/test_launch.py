@@ -86,3 +86,24 @@ def test_torchrun_two_machines_on_loopback_match_one_machine(runner):
     for a, b in zip(tr["weights"], ref["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert runner.leftovers() == []
+
+
+class _Exited:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+@pytest.mark.parametrize(("codes", "expected"), [
+    ([1, -9], (-9, 1)),      # the killed rank is the cause, not rank 0 that lost its peer
+    ([None, 3, 1], (3, 1)),  # no signal: the lowest failed rank
+    ([0, 0], (0, None)),
+])
+def test_the_launcher_names_the_rank_that_caused_a_failure(codes, expected):
+    from multigpu.processes import RankGroup
+
+    group = RankGroup.__new__(RankGroup)
+    group.procs = [_Exited(c) for c in codes]
+    assert group.wait() == expected

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     devices = assign_cores(parse_devices(args.devices))
     ratios = args.ratios if args.ratios in (None, "auto") else parse_ratios(args.ratios, len(devices))
     os.environ.setdefault("KERAS_BACKEND", "torch")
-    command = [sys.executable, args.script, *args.args]
+    command = [sys.executable, "-m", "multigpu.rank_entry", "script", args.script, *args.args]
     attempt: RankGroup | None = None
 
     def on_signal(signum, frame):

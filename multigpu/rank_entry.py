@@ -1,0 +1,146 @@
+"""The entry point of every rank process that multigpu starts.
+
+``python -m multigpu.rank_entry script PATH ARGS...`` (or ``module NAME`` or
+``code TEXT``) runs the user's program as ``python PATH ARGS...`` would, then
+ends the process the way :mod:`multiprocessing` ends its workers: it waits for
+the program's threads, runs the ``atexit`` handlers (which leave the process
+group together with the other ranks), flushes the output and calls
+``os._exit`` with the program's exit code.
+
+Skipping the interpreter's finalization matters here: DDP keeps the gloo
+process group, and its worker threads, alive until the process ends, and a
+C++ thread that touches a Python object while the interpreter is being torn
+down aborts the process ("terminate called without an active exception"),
+turning a finished rank into a failed one.
+
+This module imports neither torch nor Keras, so that the program can choose
+its Keras backend first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import threading
+import traceback
+
+KINDS = ("script", "module", "code")
+
+
+def command(orig_argv: list[str]) -> list[str]:
+    """The command line that runs the program of ``orig_argv`` through this module.
+
+    Args:
+        orig_argv: the interpreter's own command line (``sys.orig_argv``).
+
+    Returns:
+        ``[python, *interpreter options, "-m", "multigpu.rank_entry", kind, target, *args]``.
+
+    Raises:
+        ValueError: when ``orig_argv`` names no script, module or code.
+    """
+    options: list[str] = []
+    i = 1
+    while i < len(orig_argv):
+        item = orig_argv[i]
+        if item in ("-c", "-m"):
+            if i + 1 >= len(orig_argv):
+                break
+            kind = "code" if item == "-c" else "module"
+            return [orig_argv[0], *options, "-m", __name__, kind, orig_argv[i + 1], *orig_argv[i + 2 :]]
+        if item == "-" or not item.startswith("-"):
+            if item == "-":
+                break
+            return [orig_argv[0], *options, "-m", __name__, "script", item, *orig_argv[i + 1 :]]
+        options.append(item)
+        if item in ("-W", "-X", "--check-hash-based-pycs") and i + 1 < len(orig_argv):
+            options.append(orig_argv[i + 1])
+            i += 1
+        i += 1
+    raise ValueError(f"No script, module or code to run again in the command line {orig_argv!r}.")
+
+
+def _run(kind: str, target: str, args: list[str]) -> None:
+    if kind == "script":
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+    elif kind == "module":
+        sys.argv = [target, *args]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = ["-c", *args]
+        sys.path[0] = ""
+        main = sys.modules["__main__"]
+        namespace = {"__name__": "__main__", "__builtins__": __builtins__, "__spec__": None,
+                     "__file__": None, "__package__": None, "__loader__": getattr(main, "__loader__", None)}
+        exec(compile(target, "<string>", "exec"), namespace)
+
+
+def _user_frames(tb):
+    """The traceback from the program's own frames on (without this module's and runpy's)."""
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+
+    def skipped(filename: str) -> bool:
+        return filename == "<frozen runpy>" or os.path.abspath(filename) in ours
+
+    while tb is not None and tb.tb_next is not None and skipped(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def exit_code(code: object) -> int:
+    """The process exit code for ``SystemExit(code)``, as the interpreter computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    """Runs the program named by ``argv`` (kind, target, args) and returns its exit code."""
+    if len(argv) < 2 or argv[0] not in KINDS:
+        print(f"usage: python -m {__name__} {{{','.join(KINDS)}}} TARGET [ARGS...]; received {argv!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        _run(argv[0], argv[1], argv[2:])
+        code = 0
+    except SystemExit as exc:
+        code = exit_code(exc.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException as exc:
+        tb = _user_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        code = 1
+    return code
+
+
+def _finish(code: int) -> None:
+    """Ends the process as the interpreter would, minus its finalization."""
+    main_thread = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main_thread and not t.daemon and t.is_alive():
+            t.join()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _finish(main(sys.argv[1:]))

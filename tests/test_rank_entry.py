@@ -1,0 +1,88 @@
+"""The entry point of started ranks runs the program as python would, and ends it without finalization."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from multigpu import rank_entry
+
+pytestmark = pytest.mark.timeout(60)
+
+ENTRY = ["-m", "multigpu.rank_entry"]
+
+
+@pytest.mark.parametrize(
+    ("orig", "expected"),
+    [
+        (["py", "train.py", "--a", "1"], ["py", *ENTRY, "script", "train.py", "--a", "1"]),
+        (["py", "-u", "-W", "ignore", "-X", "dev", "train.py"],
+         ["py", "-u", "-W", "ignore", "-X", "dev", *ENTRY, "script", "train.py"]),
+        (["py", "-Wignore", "-OO", "t.py", "-m", "x"], ["py", "-Wignore", "-OO", *ENTRY, "script", "t.py", "-m", "x"]),
+        (["py", "-m", "pkg.train", "--epochs", "3"], ["py", *ENTRY, "module", "pkg.train", "--epochs", "3"]),
+        (["py", "-B", "-c", "print(1)", "a"], ["py", "-B", *ENTRY, "code", "print(1)", "a"]),
+    ],
+)
+def test_command_keeps_interpreter_options_and_arguments(orig, expected):
+    assert rank_entry.command(orig) == expected
+
+
+@pytest.mark.parametrize("orig", [["py"], ["py", "-u"], ["py", "-"], ["py", "-m"]])
+def test_command_without_a_program_is_an_error(orig):
+    with pytest.raises(ValueError, match="No script, module or code"):
+        rank_entry.command(orig)
+
+
+@pytest.mark.parametrize(("code", "expected"), [(None, 0), (0, 0), (7, 7), (True, 1), (256 + 3, 3), ("bye", 1)])
+def test_exit_code_follows_the_interpreter(code, expected):
+    assert rank_entry.exit_code(code) == expected
+
+
+PROGRAM = textwrap.dedent(
+    """
+    import atexit, os, sys, threading, time
+    atexit.register(lambda: print("atexit ran", flush=True))
+    def late():
+        time.sleep(0.3)
+        print("thread finished", flush=True)
+    threading.Thread(target=late).start()
+    print("name", __name__, "argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+    sys.stdout.write("unflushed")
+    if sys.argv[1] == "raise":
+        raise RuntimeError("failing on purpose")
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def _entry(tmp_path, *args):
+    return subprocess.run([sys.executable, *ENTRY, *args], check=False, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30)
+
+
+@pytest.mark.parametrize(("arg", "code"), [("0", 0), ("7", 7), ("raise", 1)])
+def test_a_script_runs_as_under_python_and_keeps_its_exit_code(tmp_path, arg, code):
+    script = tmp_path / "sub" / "prog.py"
+    script.parent.mkdir()
+    script.write_text(PROGRAM)
+    res = _entry(tmp_path, "script", str(script), arg)
+    assert res.returncode == code, res.stderr
+    assert f"name __main__ argv ['{arg}'] path0 True" in res.stdout
+    # non-daemon threads are waited for, atexit handlers run, output is flushed
+    assert "thread finished" in res.stdout and "atexit ran" in res.stdout and "unflushed" in res.stdout
+    assert ("RuntimeError: failing on purpose" in res.stderr) == (arg == "raise")
+    assert "rank_entry.py" not in res.stderr and "runpy" not in res.stderr  # the user's frames only
+
+
+def test_modules_and_code_run_too(tmp_path):
+    (tmp_path / "prog_mod.py").write_text(PROGRAM)
+    res = _entry(tmp_path, "module", "prog_mod", "5")
+    assert res.returncode == 5 and "name __main__ argv ['5']" in res.stdout, res.stderr
+    res = _entry(tmp_path, "code", "import sys; print('code', sys.argv); sys.exit(4)", "x")
+    assert res.returncode == 4 and "code ['-c', 'x']" in res.stdout, res.stderr
+
+
+def test_a_bad_command_line_says_what_it_takes(tmp_path):
+    res = _entry(tmp_path, "file", "x.py")
+    assert res.returncode == 2 and "script,module,code" in res.stderr and "'file'" in res.stderr
