@@ -57,7 +57,7 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
         cfg_path = Path(tmp) / "config.json"
         cfg = dict(config, out=str(out))
         cfg_path.write_text(json.dumps(cfg))
-        command = [sys.executable, "-m", "multigpu.bench", str(cfg_path)]
+        command = [sys.executable, "-m", "multigpu.rank_entry", "module", "multigpu.bench", str(cfg_path)]
         env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         devices = assign_cores(parse_devices(config["devices"]))
         deadline = time.monotonic() + timeout
@@ -82,11 +82,10 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
                               env_extra={"KERAS_BACKEND": "torch", "PYTHONWARNINGS": "ignore"})
             try:
                 while True:
-                    codes = [p.poll() for p in group.procs]
-                    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                    if bad:
-                        raise RuntimeError(f"benchmark run failed: {group.describe_failure(bad[0][1], bad[0][0])}")
-                    if all(c == 0 for c in codes):
+                    failure = group.failure()
+                    if failure is not None:
+                        raise RuntimeError(f"benchmark run failed: {group.describe_failure(*failure)}")
+                    if all(p.poll() == 0 for p in group.procs):
                         break
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"benchmark run timed out after {timeout:.0f} s: {config}")

@@ -115,16 +115,24 @@ class RankGroup:
     def wait(self) -> tuple[int, int | None]:
         """Waits until all succeed or one fails; returns (code, failed rank)."""
         while True:
-            codes = [p.poll() for p in self.procs]
-            failed = [(r, code) for r, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                # A rank killed by a signal is the cause; ranks that exited
-                # with an error in the same interval most likely lost a peer.
-                r, code = min(failed, key=lambda rc: (rc[1] > 0, rc[0]))
-                return code, r
-            if all(c == 0 for c in codes):
+            failure = self.failure()
+            if failure is not None:
+                return failure
+            if all(p.poll() == 0 for p in self.procs):
                 return 0, None
             time.sleep(0.1)
+
+    def failure(self) -> tuple[int, int] | None:
+        """(code, rank) of a failed rank, or None while none has failed.
+
+        A rank killed by a signal is named first: ranks that exited with an
+        error in the same interval most likely lost a peer.
+        """
+        failed = [(r, code) for r, code in enumerate(p.poll() for p in self.procs) if code not in (None, 0)]
+        if not failed:
+            return None
+        r, code = min(failed, key=lambda rc: (rc[1] > 0, rc[0]))
+        return code, r
 
     def stop(self, grace: float = 5.0) -> None:
         """Terminates the ranks still running (SIGTERM, then SIGKILL)."""
