@@ -24,7 +24,7 @@ import os
 import runpy
 import sys
 import threading
-import traceback
+import types
 
 KINDS = ("script", "module", "code")
 
@@ -50,9 +50,9 @@ def command(orig_argv: list[str]) -> list[str]:
                 break
             kind = "code" if item == "-c" else "module"
             return [orig_argv[0], *options, "-m", __name__, kind, orig_argv[i + 1], *orig_argv[i + 2 :]]
-        if item == "-" or not item.startswith("-"):
-            if item == "-":
-                break
+        if item == "-":
+            break  # a program read from standard input cannot be read again
+        if not item.startswith("-"):
             return [orig_argv[0], *options, "-m", __name__, "script", item, *orig_argv[i + 1 :]]
         options.append(item)
         if item in ("-W", "-X", "--check-hash-based-pycs") and i + 1 < len(orig_argv):
@@ -74,10 +74,9 @@ def _run(kind: str, target: str, args: list[str]) -> None:
     else:
         sys.argv = ["-c", *args]
         sys.path[0] = ""
-        main = sys.modules["__main__"]
-        namespace = {"__name__": "__main__", "__builtins__": __builtins__, "__spec__": None,
-                     "__file__": None, "__package__": None, "__loader__": getattr(main, "__loader__", None)}
-        exec(compile(target, "<string>", "exec"), namespace)
+        module = types.ModuleType("__main__")  # as under -c, the code's globals are __main__'s
+        sys.modules["__main__"] = module
+        exec(compile(target, "<string>", "exec"), module.__dict__)
 
 
 def _user_frames(tb):
@@ -115,13 +114,12 @@ def main(argv: list[str]) -> int:
         code = 0
     except SystemExit as exc:
         code = exit_code(exc.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = 130
     except BaseException as exc:
+        # Through sys.excepthook, as the interpreter reports it: multigpu's
+        # hook notes the failure so that the exit does not wait for peers.
         tb = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        code = 1
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     return code
 
 

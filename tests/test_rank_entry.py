@@ -83,6 +83,18 @@ def test_modules_and_code_run_too(tmp_path):
     assert res.returncode == 4 and "code ['-c', 'x']" in res.stdout, res.stderr
 
 
+def test_an_interrupt_is_reported_through_the_excepthook(tmp_path):
+    # multigpu's excepthook marks the run failed, so that the exit barrier is skipped
+    code = "import sys; sys.excepthook = lambda t, e, tb: print('hook saw', t.__name__); raise KeyboardInterrupt"
+    res = _entry(tmp_path, "code", code)
+    assert res.returncode == 130 and "hook saw KeyboardInterrupt" in res.stdout, res.stderr
+
+
+def test_code_runs_in_the_main_module(tmp_path):
+    res = _entry(tmp_path, "code", "import sys\nclass A: pass\nprint(sys.modules['__main__'].A is A)")
+    assert res.returncode == 0 and "True" in res.stdout, res.stderr
+
+
 def test_a_bad_command_line_says_what_it_takes(tmp_path):
     res = _entry(tmp_path, "file", "x.py")
     assert res.returncode == 2 and "script,module,code" in res.stderr and "'file'" in res.stderr
