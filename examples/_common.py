@@ -25,7 +25,7 @@ import numpy as np
 
 from multigpu import env as multigpu_env
 from multigpu.devices import Device
-from multigpu.launch import die_with_parent
+from multigpu.runtime.processes import die_with_parent
 
 DEFAULT_RATIOS_HELP = "e.g. 3,1, or 'auto' (default: equal shares for identical devices, measured otherwise)"
 

@@ -27,8 +27,8 @@ import keras
 import numpy as np
 
 import multigpu
+from multigpu.bench.models import convnet
 from multigpu.devices import cuda_device_count
-from multigpu.models import convnet
 
 
 def default_devices() -> tuple[list[str], str]:
@@ -60,7 +60,7 @@ def load_data(rows: int, say):
 
 def one_device_rate(width: float, batch: int, cores: list[int]) -> float:
     """Samples/s of the same network on one full-speed device, alone."""
-    from multigpu.bench import run_config
+    from multigpu.bench.runs import run_config
 
     result = run_config({"mode": "solo", "model": "convnet", "width": width, "devices": ["cpu:0"],
                          "batch": batch, "ratios": None, "steps": 6, "warmup": 2, "cores": cores},
@@ -139,21 +139,21 @@ def main() -> int:
     model.save(out / "fashion_convnet.keras")
     if multigpu.rank() != 0:
         return 0
-    state = model._multigpu_state
+    state = multigpu.state(model)
     total = meter.rate()
-    shares = state.shares_for(a.batch_size)
+    shares = state.shares(a.batch_size)
     rates = [total * s / a.batch_size for s in shares]
     print(f"\n{'device':<12}{'share':>8}{'batch':>8}{'samples/s':>12}")
-    for dev, s, r in zip(state.runtime.devices, shares, rates):
+    for dev, s, r in zip(state.devices, shares, rates):
         print(f"{dev.label:<12}{s / a.batch_size:>8.0%}{s:>8}{r:>12.1f}")
     print(f"{'total':<12}{'100%':>8}{a.batch_size:>8}{total:>12.1f}")
     if one:
-        ideal = sum(d.speed for d in state.runtime.devices)
+        ideal = sum(d.speed for d in state.devices)
         print(f"one full-speed device alone: {one:.1f} samples/s -> speedup {total / one:.2f}x "
               f"(the speed factors add up to {ideal:.2f}; on a CPU the smaller local batches "
               "also run faster per sample)")
     print(f"test accuracy: {acc:.4f} (loss {loss:.4f})")
-    plot(out / "throughput.png", [d.label for d in state.runtime.devices], rates, total, one or float("nan"))
+    plot(out / "throughput.png", [d.label for d in state.devices], rates, total, one or float("nan"))
     print(f"saved the model to {out / 'fashion_convnet.keras'} and the plot to {out / 'throughput.png'}")
     return 0
 

@@ -4,7 +4,7 @@
     KERAS_BACKEND=torch python examples/dense41m.py --quick             # a narrow copy: about a minute on CPU
     KERAS_BACKEND=torch python examples/dense41m.py --devices cpu:0,cpu:1@0.5 --ratios 2,1
 
-The model is ``multigpu.models.dense41m``: Dense(4000, tanh) on 8000 inputs, Dense(2000,
+The model is ``multigpu.bench.models.dense41m``: Dense(4000, tanh) on 8000 inputs, Dense(2000,
 relu), Dense(500, relu), Dense(300, relu), Dense(1, sigmoid), trained with binary
 cross-entropy and Adam on random data (``--width`` shrinks the hidden layers).  Every step
 all-reduces 41 million gradients, so a small batch split over N devices mostly waits on
@@ -33,8 +33,8 @@ import keras
 from _common import add_device_arguments, apply_quick_defaults, run_worker, table_row
 
 import multigpu
+from multigpu.bench.models import dense41m, get_model
 from multigpu.devices import Device, assign_cores, parse_devices
-from multigpu.models import dense41m, get_model
 
 
 # ------------------------------------------------------------------ arguments
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
         rate = args.batch_size * (len(timed) - 1) / (timed[-1] - timed[0])
         Path(args.worker).write_text(json.dumps({
             "devices": multigpu.world_size(), "batch_size": args.batch_size,
-            "shares": model._multigpu_state.shares_for(args.batch_size), "samples_per_second": rate,
+            "shares": multigpu.state(model).shares(args.batch_size), "samples_per_second": rate,
             "parameters": model.count_params(), "loss": float(hist.history["loss"][-1]),
         }))
 

@@ -4,7 +4,7 @@
     KERAS_BACKEND=torch python examples/gru_sequences.py --quick          # about a minute on 2 CPU cores
     KERAS_BACKEND=torch python examples/gru_sequences.py --devices cpu:0,cpu:1@0.5 --ratios auto
 
-For every batch size it trains the same model (``multigpu.models.gru``: GRU, GRU, softmax)
+For every batch size it trains the same model (``multigpu.bench.models.gru``: GRU, GRU, softmax)
 on 1 device and on all devices (and 2 in between when there are more than 2), each
 configuration in its own process: ``parallelize`` happens once per process, so the script
 runs itself with a hidden ``--worker`` flag for each configuration and reads back a JSON
@@ -28,8 +28,8 @@ import numpy as np
 from _common import EpochTimer, add_device_arguments, apply_quick_defaults, run_worker, steady_epoch_time
 
 import multigpu
+from multigpu.bench.models import gru
 from multigpu.devices import Device, assign_cores, parse_devices
-from multigpu.models import gru
 
 TIMESTEPS, FEATURES, CLASSES = 40, 16, 4
 
@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
             "accuracy": float(hist.history["accuracy"][-1]),
             "val_accuracy": float(hist.history["val_accuracy"][-1]),
             "time": steady_epoch_time(timer.seconds),  # the first epoch, warm-up, left out
-            "ratios": [float(r) for r in model._multigpu_state.ratios],
+            "ratios": multigpu.state(model).ratios,
         }))
 
 

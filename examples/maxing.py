@@ -5,14 +5,14 @@
     KERAS_BACKEND=torch python examples/maxing.py --devices cpu:0,cpu:1@0.5 --recalibrate
     KERAS_BACKEND=torch python examples/maxing.py --ratios 2,1              # given ratios, no measuring
 
-The model is ``multigpu.models.maxing``: a convnet with far more layers than it needs, so
+The model is ``multigpu.bench.models.maxing``: a convnet with far more layers than it needs, so
 that every device has plenty to do.  With ``--ratios auto`` (the default here) each device
 times a few solo steps at the first training step and the shares follow the measured
 speeds; the result is kept in a profile (``--profile``, default
 ``~/.cache/multigpu/profiles.json``) so the next run starts balanced without measuring, and
 ``--recalibrate`` measures again.  While training the shares move toward the measured
 compute speeds.  The script prints what calibration found
-(``model._multigpu_state.ratios`` and ``.speeds``), a where-the-time-went table per epoch
+(``multigpu.state(model).ratios`` and ``.speeds``), a where-the-time-went table per epoch
 (``parallelize(..., report=True)``) and samples/s per device and in total.
 """
 
@@ -28,7 +28,7 @@ import keras
 from _common import add_device_arguments, apply_quick_defaults, shares_text, table_row
 
 import multigpu
-from multigpu.models import get_model, maxing
+from multigpu.bench.models import get_model, maxing
 
 
 # ------------------------------------------------------------------ arguments
@@ -64,7 +64,7 @@ class AfterFirstStep(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.ratios is None:
-            state = self.model._multigpu_state
+            state = multigpu.state(self.model)
             self.ratios = [float(r) for r in state.ratios]
             self.speeds = None if state.speeds is None else [float(s) for s in state.speeds]
 
@@ -103,8 +103,8 @@ def main() -> None:
                                  profile=args.profile, report=not args.no_report)
     spec.compile(model)  # Adam, sparse categorical cross-entropy, accuracy
     x, y = spec.data(args.rows, 0)
-    state = model._multigpu_state
-    devices = state.runtime.devices
+    state = multigpu.state(model)
+    devices = state.devices
     if multigpu.rank() == 0:
         print(f"maxing: {args.depth} convolutions of {max(1, round(64 * args.width))} filters, "
               f"{model.count_params():,} parameters; {args.rows} rows, global batch {args.batch_size}; "
@@ -124,7 +124,7 @@ def main() -> None:
         print(f"after training (rebalanced): ratios {[round(r, 3) for r in state.ratios]} "
               f"(shares {shares_text(state.ratios)})")
     rate = meter.rates[-1] if meter.rates else float("nan")
-    shares = state.shares_for(args.batch_size)
+    shares = state.shares(args.batch_size)
     widths = (12, 8, 8, 12)
     print("\n" + table_row(["device", "share", "batch", "samples/s"], widths))
     for dev, ratio, rows in zip(devices, state.ratios, shares):

@@ -71,7 +71,7 @@ def main() -> None:
     # Every rank takes part in predict (it is split across the devices); rank 0 checks the file.
     expected = parallel_model.predict(x[:64], batch_size=32, verbose=0)
     if multigpu.rank() == 0:
-        print(f"trained with {template._multigpu_state.runtime.describe()}")
+        print(f"trained with {multigpu.state(template).describe()}")
         print(f"parallel_model is template: {parallel_model is template}")
         loaded = keras.models.load_model(args.save_to)  # a plain Keras file: multigpu is not needed to load it
         got = loaded.predict(x[:64], verbose=0)

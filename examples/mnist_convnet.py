@@ -4,7 +4,7 @@
     KERAS_BACKEND=torch python examples/mnist_convnet.py --quick               # about a minute on 2 CPU cores
     KERAS_BACKEND=torch python examples/mnist_convnet.py --devices cpu:0,cpu:1@0.5 --ratios 2,1
 
-It is the convnet of Keras's old multi-GPU MNIST example (``multigpu.models.convnet``;
+It is the convnet of Keras's old multi-GPU MNIST example (``multigpu.bench.models.convnet``;
 ``--width`` scales its filter counts), trained on Fashion-MNIST as installed by Debian's
 ``dataset-fashion-mnist`` package (or in Keras's cache); without the files it says so and
 trains on synthetic data of the same shape.
@@ -38,9 +38,9 @@ from _common import (
 
 import multigpu
 from multigpu import env as multigpu_env
+from multigpu.bench.models import convnet, get_model
 from multigpu.datasets import DataNotFoundError, load_mnist_like
 from multigpu.devices import Device, assign_cores, parse_devices
-from multigpu.models import convnet, get_model
 
 CLASSES = 10
 
@@ -101,16 +101,16 @@ def train(args: argparse.Namespace) -> dict:
     model = convnet(args.width)
     model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios)
     get_model("convnet").compile(model)  # RMSprop, categorical cross-entropy, accuracy
-    state = model._multigpu_state
+    state = multigpu.state(model)
     timer = EpochTimer()
     if multigpu.rank() == 0:
-        print(f"{multigpu.world_size()} device(s): {', '.join(d.label for d in state.runtime.devices)}; "
+        print(f"{multigpu.world_size()} device(s): {', '.join(d.label for d in state.devices)}; "
               f"{len(x_train)} {source} training rows, width {args.width}, global batch {args.batch_size}",
               flush=True)
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, callbacks=[timer], verbose=2)
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
     return {
-        "devices": [d.label for d in state.runtime.devices],
+        "devices": [d.label for d in state.devices],
         "ratios": [float(r) for r in state.ratios],
         "epoch_seconds": timer.seconds,
         "time_per_epoch": steady_epoch_time(timer.seconds),

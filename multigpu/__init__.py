@@ -9,7 +9,7 @@ Example:
     ```
 """
 
-from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, world_size
+from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, state, world_size
 
-__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "world_size"]
-__version__ = "0.1.0"
+__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
+__version__ = "0.2.0"

@@ -1,157 +1,52 @@
-"""The public entry points: ``parallelize`` and ``multi_gpu_model``."""
+"""The public entry points: ``parallelize``, ``multi_gpu_model``, ``state``, ``list_devices``, ``rank``,
+``world_size``."""
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 
-from multigpu import launch
+from multigpu import env
 from multigpu.devices import Device, cuda_device_count, usable_cores
+from multigpu.planning.shares import RatioSpec, parse_ratios, validate_ratios
+from multigpu.runtime import runtime as _runtime
 
-__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "world_size"]
+__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
 
 DeviceSpec = str | int | Device
-
-
-def _check_backend() -> None:
-    import keras
-
-    backend = keras.backend.backend()
-    if backend != "torch":
-        raise RuntimeError(
-            "multigpu runs on Keras's torch backend. Set KERAS_BACKEND=torch "
-            "before Keras is imported (e.g. `KERAS_BACKEND=torch python train.py`). "
-            f"Received: backend={backend!r}"
-        )
+COMPRESSION = (None, "bf16", "fp16")
+TRANSPORTS = ("auto", "shm", "gloo")
+_COMMS: dict = {}
 
 
 def _check_model(model) -> None:
     import keras
 
     if not isinstance(model, keras.Model):
-        raise TypeError(
-            "multigpu.parallelize() takes a Keras 3 model (keras.Model, "
-            f"Sequential, functional or subclassed). Received: {type(model).__name__}"
-        )
+        raise TypeError("multigpu.parallelize() takes a Keras 3 model (keras.Model, Sequential, functional or "
+                        f"subclassed). Received: {type(model).__name__}")
+    from multigpu.keras.parallel import is_parallel
+
+    if is_parallel(model):
+        raise ValueError("multigpu.parallelize() was already called on this model. Call it once per model; the "
+                         "returned model is the same object.")
 
 
-def parallelize(
-    model,
-    devices: str | DeviceSpec | Sequence[DeviceSpec] | None = None,
-    ratios: str | Sequence[float] | None = None,
-    *,
-    timeout: float | None = None,
-    sync_batchnorm: bool = False,
-    rebalance: bool | None = None,
-    profile: str | os.PathLike | None = None,
-    recalibrate: bool = False,
-    max_batch: Sequence[int | None] | None = None,
-    report: bool = False,
-):
-    """Trains ``model`` data-parallel across ``devices``, one process each.
-
-    Call it once, after building the model and before ``compile``/``fit``.  In
-    a plain ``python train.py`` the first call starts one more process per
-    extra device by running the script again; this process becomes rank 0.
-    Under ``multigpu run`` or ``torchrun`` it joins the running group.
-
-    ``fit``'s ``batch_size`` is the global batch.  It is split across the
-    devices in proportion to ``ratios``, and gradients are combined weighted
-    by each device's share, so the result equals one device training on the
-    whole batch.
-
-    Args:
-        model: a Keras 3 model on the torch backend.
-        devices: ``"auto"`` (default: every GPU; on a CPU-only machine one
-            CPU device per core, at most 8), or a list such as ``[0, 1]``,
-            ``["cuda:0", "cuda:1"]`` or ``["cpu:0", "cpu:1@0.5"]``.
-        ratios: relative speed of each device, e.g. ``[3, 1]``; ``"auto"`` to
-            measure the speeds at the first step (or take them from the
-            profile); the path of a profile JSON file to reuse its ratios.
-            ``None`` (default) means ``"auto"`` when the devices differ
-            (kinds, GPU models or ``@F`` speed factors) and equal shares
-            otherwise.
-        timeout: seconds a collective may wait for another rank before the
-            run fails (default 60).
-        sync_batchnorm: compute BatchNormalization's batch statistics over
-            the whole global batch (weighted by shares), so a BatchNorm model
-            reproduces the single-device run; by default each device
-            normalises over its own share and the moving statistics are
-            averaged over devices.
-        rebalance: move shares toward measured speeds while training
-            (default: on with automatic ratios, off with given ratios).
-        profile: where measured speeds are kept (default
-            ``$MULTIGPU_PROFILE`` or ``~/.cache/multigpu/profiles.json``).
-        recalibrate: measure again even if the profile has an entry.
-        max_batch: the largest local batch each device can hold (``None``
-            for no limit); the excess goes to devices with room.
-        report: print, at the end of each epoch, where each device's time
-            went (data, compute, waiting).
-
-    Returns:
-        The same model object, now parallel.
-
-    Example:
-        ```python
-        model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[3, 1])
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-        model.fit(x, y, batch_size=256, epochs=3)
-        ```
-    """
-    _check_backend()
-    _check_model(model)
-    if getattr(model, "_multigpu_state", None) is not None:
-        raise ValueError(
-            "multigpu.parallelize() was already called on this model. Call it "
-            "once per model; the returned model is the same object."
-        )
-    if not isinstance(sync_batchnorm, bool):
-        raise TypeError(f"`sync_batchnorm` must be True or False. Received: sync_batchnorm={sync_batchnorm!r}")
-    from multigpu import env
-
-    if os.environ.get(env.RATIOS):  # `multigpu run --ratios` wins over the script
-        text = os.environ[env.RATIOS]
-        ratios = text if text == "auto" or text.endswith(".json") else [float(r) for r in text.split(",")]
-    auto, ratios_arg = _resolve_ratios(ratios, profile)
-    if rebalance is not None and not isinstance(rebalance, bool):
-        raise TypeError(f"`rebalance` must be True, False or None. Received: rebalance={rebalance!r}")
-    runtime = launch.start(devices, ratios_arg, timeout)
-    if ratios is None and not _devices_differ(runtime.devices):
-        auto = False
-    caps = _check_caps(max_batch, runtime.world_size)
-    from multigpu.trainer import attach
-
-    attach(
-        model, runtime, sync_batchnorm=sync_batchnorm, auto=auto,
-        rebalance=auto if rebalance is None else rebalance,
-        profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
-        report=report, max_batch=caps,
-    )
-    return model
+def _check_flag(name: str, value, allow_none: bool = False) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise TypeError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 
 
-def _resolve_ratios(ratios, profile):
-    """Returns (auto, ratios for the launcher)."""
-    if ratios is None:
-        return True, None
-    if isinstance(ratios, (str, os.PathLike)):
-        text = os.fspath(ratios)
-        if text == "auto":
-            return True, None
-        if text.endswith(".json"):
-            from multigpu.calibrate import ProfileError, read_profile
-
-            try:
-                return False, read_profile(text)["ratios"]
-            except ProfileError as exc:
-                warnings.warn(f"multigpu: cannot use the profile ({exc}); calibrating instead.", stacklevel=3)
-                return True, None
-        raise ValueError(
-            "`ratios` must be a list of numbers, 'auto', a profile .json path or None. "
-            f"Received: ratios={ratios!r}"
-        )
-    return False, ratios
+def _check_caps(max_batch, n: int):
+    if max_batch is None:
+        return None
+    caps = list(max_batch)
+    if len(caps) != n or not all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)
+                                 for c in caps):
+        raise ValueError(f"`max_batch` takes one positive integer (or None) per device ({n} devices). "
+                         f"Received: max_batch={max_batch!r}")
+    return caps
 
 
 def _devices_differ(devices) -> bool:
@@ -167,17 +62,149 @@ def _devices_differ(devices) -> bool:
     return False
 
 
-def _check_caps(max_batch, n: int):
-    if max_batch is None:
-        return None
-    caps = list(max_batch)
-    if len(caps) != n or not all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)
-                                 for c in caps):
-        raise ValueError(
-            f"`max_batch` takes one positive integer (or None) per device ({n} devices). "
-            f"Received: max_batch={max_batch!r}"
-        )
-    return caps
+def _from_profile(spec: RatioSpec, n: int) -> tuple[RatioSpec, bool]:
+    """A profile path read into fixed ratios; an unusable one falls back to measuring."""
+    from multigpu._warn import warn_user
+    from multigpu.balancing.profiles import ProfileError, read_profile
+
+    try:
+        values = read_profile(spec.path)["ratios"]
+        return RatioSpec("fixed", tuple(validate_ratios(values, n))), False
+    except (ProfileError, ValueError) as exc:
+        if _runtime.rank() == 0:
+            warn_user(f"multigpu: cannot use the profile ({exc}); calibrating instead.")
+        return RatioSpec("auto"), True
+
+
+def parallelize(
+    model,
+    devices: str | DeviceSpec | Sequence[DeviceSpec] | None = None,
+    ratios: str | os.PathLike | Sequence[float] | None = None,
+    *,
+    timeout: float | None = None,
+    sync_batchnorm: bool = False,
+    rebalance: bool | None = None,
+    profile: str | os.PathLike | None = None,
+    recalibrate: bool = False,
+    max_batch: Sequence[int | None] | None = None,
+    report: bool = False,
+    compression: str | None = None,
+    transport: str = "auto",
+):
+    """Trains ``model`` data-parallel across ``devices``, one process each.
+
+    Call it once, after building the model and before ``compile``/``fit``.  In
+    a plain ``python train.py`` with several devices, the first call turns
+    this process into the run's supervisor: it runs the script again once per
+    device and exits with the run's exit code, so the code after
+    ``parallelize`` runs in the ranks.  Under ``multigpu run`` or ``torchrun``
+    it joins the running group.  With one device it changes nothing.
+
+    ``fit``'s ``batch_size`` is the global batch.  It is split across the
+    devices in proportion to the shares, and gradients are combined weighted
+    by each device's share, so the result equals one device training on the
+    whole batch.
+
+    Args:
+        model: a Keras 3 model on the torch backend.
+        devices: ``"auto"`` (default: every GPU; on a CPU-only machine one
+            CPU device per core, at most 8), or a list such as ``[0, 1]``,
+            ``["cuda:0", "cuda:1"]`` or ``["cpu:0", "cpu:1@0.5"]``.
+        ratios: relative speed of each device, e.g. ``[3, 1]`` or ``"3,1"``;
+            ``"auto"`` to measure the speeds (or take them from the profile)
+            and keep the shares at the fastest measured; the path of a
+            profile file to reuse its ratios.  ``None`` (default) means
+            ``"auto"`` when the devices differ and equal shares otherwise.
+        timeout: seconds a collective may wait for another rank before the
+            run fails (default 60).
+        sync_batchnorm: compute BatchNormalization's batch statistics over
+            the whole global batch, so a BatchNorm model reproduces the
+            single-device run; by default each device normalises over its
+            own share and the moving statistics are averaged over devices.
+        rebalance: move shares while training, keeping a move only when the
+            measured samples/s rise (default: on with automatic ratios).
+        profile: where measured shares are kept (default
+            ``$MULTIGPU_PROFILE`` or ``~/.cache/multigpu/profiles.json``).
+        recalibrate: measure again even if the profile has an entry.
+        max_batch: the largest local batch each device can hold (``None``
+            for no limit); the excess goes to devices with room.
+        report: print, at the end of each epoch, where each device's time
+            went (data, compute, waiting).
+        compression: ``None`` (exact, default), ``"bf16"`` or ``"fp16"``:
+            send gradients in 16 bits (half the bytes; the weighting by share
+            stays exact, the sum is rounded).
+        transport: how CPU ranks of one machine sum gradients: ``"auto"``
+            (shared memory on x86-64 Linux, else the process group's),
+            ``"shm"`` or ``"gloo"``.
+
+    Returns:
+        The same model object, now parallel.
+
+    Example:
+        ```python
+        model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[3, 1])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=256, epochs=3)
+        ```
+    """
+    from multigpu import backend
+
+    backend.check()
+    from multigpu.keras import _compat
+
+    _compat.check()
+    _check_model(model)
+    _check_flag("sync_batchnorm", sync_batchnorm)
+    _check_flag("rebalance", rebalance, allow_none=True)
+    _check_flag("recalibrate", recalibrate)
+    _check_flag("report", report)
+    if compression not in COMPRESSION:
+        raise ValueError(f"`compression` must be one of None, 'bf16', 'fp16'. Received: compression={compression!r}")
+    transport = os.environ.get(env.TRANSPORT) or transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
+                         f"Received: transport={transport!r}")
+    given = os.environ.get(env.RATIOS) or ratios  # `multigpu run --ratios` wins over the script
+    spec = parse_ratios(given)
+    planned = _runtime.planned_devices(devices)  # checks that need the device count, before any process starts
+    if planned is not None:
+        if spec.kind == "fixed":
+            validate_ratios(given if not isinstance(given, str) else spec.values, len(planned))
+        _check_caps(max_batch, len(planned))
+    runtime = _runtime.start(devices, timeout)
+    n = runtime.world_size
+    if spec.kind == "fixed":
+        validate_ratios(spec.values or (), n)
+    caps = _check_caps(max_batch, n)
+    auto = spec.kind == "auto"
+    if spec.kind == "profile":
+        spec, auto = _from_profile(spec, n)
+    elif spec.kind == "default":
+        auto = _devices_differ(runtime.devices)
+    from multigpu.keras import parallel
+
+    if n == 1:
+        parallel.register_single(model, runtime)
+        return model
+    from multigpu.balancing.balancer import BalanceOptions, LoadBalancer
+
+    options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
+                             profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
+                             caps=caps, report=report)
+    comm = _COMMS.get(id(runtime))
+    if comm is None:
+        comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)
+    balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_rank0(runtime.rank))
+    parallel.ParallelModel(model, runtime, comm, balancer,
+                           parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression)).install()
+    return model
+
+
+def _log_on_rank0(rank_: int):
+    def log(message: str) -> None:
+        if rank_ == 0:
+            print(f"multigpu: {message}", flush=True)
+    return log
 
 
 def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
@@ -188,7 +215,8 @@ def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
         model: the template model.
         gpus: a number of GPUs (the first ``gpus``), a list of GPU indices or
             any device spellings ``parallelize`` takes, or ``"auto"``. On a
-            machine without GPUs, a number ``N`` gives ``N`` CPU devices.
+            machine without GPUs, a number ``N`` gives ``N`` CPU devices (and
+            says so).
         ratios: relative batch share per GPU, as in the community patch
             (e.g. ``[768, 560]``), or ``"auto"``; ``None`` as in ``parallelize``.
         **kwargs: the old ``cpu_merge``/``cpu_relocation`` are accepted and
@@ -199,7 +227,8 @@ def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
     """
     unknown = set(kwargs) - {"cpu_merge", "cpu_relocation"}
     if unknown:
-        raise TypeError(f"multi_gpu_model() got unexpected arguments: {sorted(unknown)}")
+        raise TypeError(f"multi_gpu_model() got unexpected arguments: {sorted(unknown)}; it takes model, gpus, "
+                        "ratios (and ignores cpu_merge, cpu_relocation)")
     if gpus is None:
         devices: object = "auto"
     elif isinstance(gpus, int) and not isinstance(gpus, bool):
@@ -207,11 +236,32 @@ def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
             raise ValueError(f"`gpus` must be at least 1. Received: gpus={gpus}")
         kind = "cuda" if cuda_device_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(gpus)]
+        if kind == "cpu" and _runtime.rank() == 0 and os.environ.get(env.RANK) is None:
+            from multigpu._warn import warn_user
+
+            warn_user(f"multi_gpu_model(gpus={gpus}): this machine has no GPU, so it trains on {gpus} CPU devices "
+                      f"({', '.join(devices)}) instead.")
     elif isinstance(gpus, str):
         devices = gpus
     else:
         devices = list(gpus)
     return parallelize(model, devices=devices, ratios=ratios)
+
+
+def state(model):
+    """The run of a parallelized model, as it is now.
+
+    Args:
+        model: a model returned by :func:`parallelize`.
+
+    Returns:
+        A ``State`` with ``rank``, ``world_size``, ``devices``, ``ratios``
+        (current shares), ``speeds``, ``last_report``, ``transport`` and
+        ``shares(batch_size)``.
+    """
+    from multigpu.keras.parallel import state as _state
+
+    return _state(model)
 
 
 def list_devices() -> list[Device]:
@@ -227,9 +277,9 @@ def list_devices() -> list[Device]:
 
 def rank() -> int:
     """This process's rank in the run (0 outside a parallel run)."""
-    return launch.rank()
+    return _runtime.rank()
 
 
 def world_size() -> int:
     """The number of devices (processes) in the run (1 outside a run)."""
-    return launch.world_size()
+    return _runtime.world_size()

@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Device", "assign_cores", "cuda_device_count", "parse_devices", "usable_cores"]
@@ -84,7 +83,7 @@ def usable_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _parse_one(item: object, num_gpus: int) -> Device:
+def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
     if isinstance(item, Device):
         return item
     if isinstance(item, bool) or not isinstance(item, (int, str)):
@@ -119,6 +118,7 @@ def _parse_one(item: object, num_gpus: int) -> Device:
                 f"The speed factor of {item!r} must be a number in (0, 1], "
                 "e.g. 'cpu:1@0.5' for half speed."
             )
+    num_gpus = gpus() if kind == "cuda" else 0
     if kind == "cuda" and index >= num_gpus:
         hint = (
             " This machine has no GPU: use CPU devices such as 'cpu:0', 'cpu:1'."
@@ -138,7 +138,7 @@ def parse_devices(
 
     Args:
         devices: ``"auto"``/``None``, one device, or a sequence of devices.
-        num_gpus: visible GPUs (queried when ``None``).
+        num_gpus: visible GPUs (queried, importing torch, only when ``None`` and a GPU or ``"auto"`` is named).
 
     Returns:
         The devices, in rank order, without CPU cores assigned yet.
@@ -146,13 +146,16 @@ def parse_devices(
     Raises:
         ValueError: for unknown, malformed, missing or repeated devices.
     """
-    if num_gpus is None:
-        num_gpus = cuda_device_count()
+    known = num_gpus
+
+    def gpus() -> int:
+        return cuda_device_count() if known is None else known
+
     if isinstance(devices, (list, tuple)) and len(devices) == 1 and str(devices[0]).strip().lower() == "auto":
         devices = "auto"
     if devices is None or (isinstance(devices, str) and devices.strip().lower() == "auto"):
-        if num_gpus:
-            return [Device("cuda", i) for i in range(num_gpus)]
+        if gpus():
+            return [Device("cuda", i) for i in range(gpus())]
         count = max(1, min(len(usable_cores()), _MAX_AUTO_CPU_DEVICES))
         return [Device("cpu", i) for i in range(count)]
     if isinstance(devices, (str, int, Device)):
@@ -163,7 +166,7 @@ def parse_devices(
     items = list(devices)
     if not items:
         raise ValueError("`devices` must name at least one device. Received: devices=[]")
-    parsed = [_parse_one(item, num_gpus) for item in items]
+    parsed = [_parse_one(item, gpus) for item in items]
     seen: dict[tuple[str, int], object] = {}
     for item, dev in zip(items, parsed):
         key = (dev.kind, dev.index)
@@ -176,7 +179,7 @@ def parse_devices(
     return parsed
 
 
-def assign_cores(devices: Sequence[Device], cores: Sequence[int] | None = None) -> list[Device]:
+def assign_cores(devices: Sequence[Device], cores: Sequence[int] | None = None, *, warn: bool = True) -> list[Device]:
     """Splits the usable CPU cores between the CPU devices, in list order.
 
     With at least as many cores as CPU devices, each device gets a contiguous
@@ -186,6 +189,7 @@ def assign_cores(devices: Sequence[Device], cores: Sequence[int] | None = None) 
     Args:
         devices: devices in rank order.
         cores: the cores to split (default: this process's affinity).
+        warn: warn (once, at the user's line) when CPU devices outnumber the cores.
 
     Returns:
         The devices with ``cores`` filled in for CPU devices.
@@ -196,11 +200,12 @@ def assign_cores(devices: Sequence[Device], cores: Sequence[int] | None = None) 
     out = list(devices)
     if n == 0:
         return out
-    if n > len(cores):
-        warnings.warn(
+    if n > len(cores) and warn:
+        from multigpu._warn import warn_user
+
+        warn_user(
             f"{n} CPU devices share {len(cores)} cores, so they will slow each "
-            "other down. Use at most one CPU device per core for real speed-ups.",
-            stacklevel=3,
+            "other down. Use at most one CPU device per core for real speed-ups."
         )
     for k, pos in enumerate(cpu_positions):
         if n <= len(cores):

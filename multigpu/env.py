@@ -3,15 +3,21 @@
 Explicit arguments win over these; they exist so that the processes a run
 starts can find each other.
 
-* ``MULTIGPU_RANK``, ``MULTIGPU_WORLD_SIZE``: set by the launcher on every
-  process it starts (by :func:`multigpu.parallelize` or ``multigpu run``).
-* ``MULTIGPU_MASTER_ADDR``, ``MULTIGPU_MASTER_PORT``: where rank 0's store
-  listens (127.0.0.1 and a free port on one machine).
+* ``MULTIGPU_RANK``, ``MULTIGPU_WORLD_SIZE``: set by the supervisor on every
+  process it starts (for ``python train.py`` and ``multigpu run``).
+* ``MULTIGPU_MASTER_ADDR``, ``MULTIGPU_MASTER_PORT``: where the run's
+  rendezvous store listens (127.0.0.1 and a free port on one machine).
+* ``MULTIGPU_STORE_FD``: on rank 0 only, the listening socket (opened by the
+  supervisor) that rank 0 serves the rendezvous store on.
 * ``MULTIGPU_DEVICES``, ``MULTIGPU_RATIOS``: the device list and ratios of the
   run, comma-separated; ``multigpu run --devices/--ratios`` sets them and they
   win over the arguments the script passes to ``parallelize``.
-* ``MULTIGPU_LAUNCHER_PID``: pid of the process that started the ranks.
+* ``MULTIGPU_SUPERVISOR_PID``: pid of the process that started the ranks.
+* ``MULTIGPU_RUN_DIR``: a folder of the run where a failing rank writes why it
+  failed, for the supervisor's message.
 * ``MULTIGPU_TIMEOUT``: seconds a collective may wait before the run fails.
+* ``MULTIGPU_TRANSPORT``: ``shm`` or ``gloo``: how CPU ranks on one machine
+  sum gradients (default ``shm``; see ``parallelize(transport=)``).
 * ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
   ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
@@ -20,16 +26,21 @@ starts can find each other.
   ``MASTER_ADDR``, ``MASTER_PORT``: read (never set) to join a group started
   by ``torchrun``.
 * ``OMP_NUM_THREADS``: set on the processes we start, to their core count.
-* ``KERAS_BACKEND``: must be ``torch``; ``multigpu run`` sets it when unset.
+* ``KERAS_BACKEND``: ``torch`` (or ``jax``); the supervisor passes it on.
 """
 
 RANK = "MULTIGPU_RANK"
 WORLD_SIZE = "MULTIGPU_WORLD_SIZE"
 MASTER_ADDR = "MULTIGPU_MASTER_ADDR"
 MASTER_PORT = "MULTIGPU_MASTER_PORT"
+STORE_FD = "MULTIGPU_STORE_FD"
 DEVICES = "MULTIGPU_DEVICES"
 RATIOS = "MULTIGPU_RATIOS"
-LAUNCHER_PID = "MULTIGPU_LAUNCHER_PID"
+SUPERVISOR_PID = "MULTIGPU_SUPERVISOR_PID"
+RUN_DIR = "MULTIGPU_RUN_DIR"
 TIMEOUT = "MULTIGPU_TIMEOUT"
+TRANSPORT = "MULTIGPU_TRANSPORT"
+PROFILE = "MULTIGPU_PROFILE"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT)

@@ -13,7 +13,7 @@ import atexit
 import os
 from pathlib import Path
 
-__all__ = ["CpuQuota", "QuotaError", "cgroup_status"]
+__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "remove_group_of"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _PERIOD_US = 10_000  # short, so a throttled process cannot run far ahead in a burst after idling
@@ -150,6 +150,28 @@ class CpuQuota:
                     self._parent_procs.write_text(p)  # type: ignore[union-attr]
                 except OSError:
                     pass
+            group.rmdir()
+        except OSError:
+            pass
+
+
+def remove_group_of(pid: int) -> None:
+    """Removes the group a throttled process ``pid`` left behind (it was killed before it could).
+
+    The supervisor calls it for every rank that has ended; a group that
+    still holds a process, or none at all, is left alone.
+    """
+    name = f"multigpu.{pid}"
+    candidates = []
+    try:
+        if _v1_cpu_root() is not None:
+            candidates.append(_v1_cpu_root() / _own_cgroup_path("cpu").lstrip("/") / name)
+        elif _v2_root() is not None:
+            candidates.append(_v2_root() / _own_cgroup_path(None).lstrip("/") / name)
+    except (OSError, QuotaError):
+        return
+    for group in candidates:  # the rank was started in the supervisor's own group
+        try:
             group.rmdir()
         except OSError:
             pass

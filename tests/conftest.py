@@ -92,6 +92,12 @@ class Runner:
             time.sleep(0.2)
 
 
+@pytest.fixture(autouse=True)
+def _own_profile(tmp_path, monkeypatch):
+    """Measured profiles go to the test's own folder, never to the user's cache."""
+    monkeypatch.setenv("MULTIGPU_PROFILE", str(tmp_path / "profiles.json"))
+
+
 @pytest.fixture
 def runner(tmp_path):
     r = Runner(tmp_path)

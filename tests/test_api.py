@@ -18,7 +18,7 @@ def test_import_sets_nothing(runner):
     )
     res = runner.run([sys.executable, "-c", code], extra_env={"KERAS_BACKEND": ""})
     assert res.returncode == 0, res.stdout
-    assert "['list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'world_size']" in res.stdout
+    assert "['list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'state', 'world_size']" in res.stdout
 
 
 EXPECTED = {
@@ -27,8 +27,8 @@ EXPECTED = {
     "ratios_negative": r"ValueError: Every ratio .* Received: ratios=\[-1, 1\]",
     "ratios_nan": r"ValueError: Every ratio .* Received: ratios=\[nan, 1\]",
     "ratios_inf": r"ValueError: Every ratio .* Received: ratios=\[inf, 1\]",
-    "ratios_string": r"ValueError: `ratios` must be a list of numbers, 'auto', a profile .json path or None. "
-    r"Received: ratios='fast'",
+    "ratios_string": r"ValueError: `ratios` must be a list of positive numbers \(e.g. \[3, 1\] or '3,1'\), 'auto', "
+    r"the path of a profile .json file, or None. Received: ratios='fast'",
     "devices_repeat": r"ValueError: Device cpu:0 is listed twice",
     "devices_unknown": r"ValueError: Unknown device 'tpu:0'. Allowed:",
     "gpu_without_gpu": r"ValueError: Device 0 does not exist. This machine has no GPU: use CPU devices",
@@ -54,8 +54,8 @@ def test_backend_other_than_torch_is_refused(monkeypatch):
 
     from multigpu import api
 
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    with pytest.raises(RuntimeError, match=r"Set KERAS_BACKEND=torch.*Received: backend='jax'"):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
+    with pytest.raises(RuntimeError, match=r"Set KERAS_BACKEND=torch.*Received: backend='tensorflow'"):
         api.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), ["cpu:0"])
 
 

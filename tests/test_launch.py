@@ -102,8 +102,8 @@ class _Exited:
     ([0, 0], (0, None)),
 ])
 def test_the_launcher_names_the_rank_that_caused_a_failure(codes, expected):
-    from multigpu.processes import RankGroup
+    from multigpu.runtime.supervisor import Supervisor
 
-    group = RankGroup.__new__(RankGroup)
+    group = Supervisor(["true"], [], 10.0)
     group.procs = [_Exited(c) for c in codes]
     assert group.wait() == expected

@@ -6,11 +6,11 @@ import textwrap
 
 import pytest
 
-from multigpu import rank_entry
+from multigpu.runtime import rank_entry
 
 pytestmark = pytest.mark.timeout(60)
 
-ENTRY = ["-m", "multigpu.rank_entry"]
+ENTRY = ["-m", "multigpu.runtime.rank_entry"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """``multigpu bench``: samples/s per device, sweeps, baselines.
 
     multigpu bench --devices 0 1 --batches 512 355 --model convnet
-    multigpu bench --devices cpu:0 cpu:1@0.5 --batch-size 256 --ratios auto --baseline single,ddp
+    multigpu bench --devices cpu:0 cpu:1@0.5 --batch-size 256 --ratios auto --baseline single,ddp,keras-ddp
     multigpu bench --sweep 64,128,256,512,1024 --devices cpu:0 cpu:1 --model gru --out results/
 """
 
@@ -12,7 +12,10 @@ import json
 import math
 from pathlib import Path
 
-from multigpu.cli.run import parse_ratios
+from multigpu.planning.shares import parse_ratios
+
+BASELINES = {"single": "plain model.fit on one device", "ddp": "PyTorch DDP loop, equal shares",
+             "keras-ddp": "Keras fit wrapped in DDP, equal shares"}
 
 
 def add_parser(sub) -> None:
@@ -27,8 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--width", type=float, default=1.0, help="scale the model's layer widths")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    p.add_argument("--compression", default=None, choices=["bf16", "fp16"], help="send gradients in 16 bits")
     p.add_argument("--sweep", default=None, help="comma-separated global batch sizes")
-    p.add_argument("--baseline", default="", help="comma-separated: single, ddp")
+    p.add_argument("--baseline", default="", help=f"comma-separated: {', '.join(BASELINES)}")
     p.add_argument("--no-solo", action="store_true", help="skip the solo runs (no balance efficiency)")
     p.add_argument("--out", type=Path, default=None, help="folder for JSON, Markdown and PNG results")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
@@ -36,8 +40,8 @@ def add_parser(sub) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from multigpu.bench.models import get_model
     from multigpu.devices import parse_devices
-    from multigpu.models import get_model
 
     if args.steps < 2 or args.warmup < 1:
         raise ValueError(f"--steps must be >= 2 and --warmup >= 1. Received: {args.steps}, {args.warmup}")
@@ -54,11 +58,11 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError("give either --batches, or --batch-size with --ratios, not both")
     if args.batch_size is not None and args.batch_size <= 0:
         raise ValueError(f"--batch-size must be positive. Received: {args.batch_size}")
-    if args.ratios not in (None, "auto"):
+    if args.ratios is not None:
         parse_ratios(args.ratios, len(devices))
     for name in filter(None, args.baseline.split(",")):
-        if name not in ("single", "ddp"):
-            raise ValueError(f"unknown baseline {name!r}; allowed: single, ddp")
+        if name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; allowed: {', '.join(BASELINES)}")
     if args.sweep:
         try:
             sizes = [int(s) for s in args.sweep.split(",")]
@@ -69,13 +73,20 @@ def _check(args: argparse.Namespace) -> None:
     get_model(args.model)
 
 
+def _ratios(args, n: int):
+    if args.ratios is None:
+        return None
+    spec = parse_ratios(args.ratios, n)
+    return list(spec.values) if spec.kind == "fixed" else spec.text()
+
+
 def _base_config(args, batch: int, ratios) -> dict:
     from multigpu.devices import parse_devices
 
     return {
         "mode": "multigpu", "model": args.model, "width": args.width,
         "devices": [d.spec for d in parse_devices(args.devices)], "batch": batch, "ratios": ratios,
-        "steps": args.steps, "warmup": args.warmup, "print_every": 0,
+        "steps": args.steps, "warmup": args.warmup, "print_every": 0, "compression": args.compression,
     }
 
 
@@ -89,29 +100,34 @@ def _where_time_goes(result: dict) -> list[str]:
     return lines
 
 
+def _first_cores(config: dict) -> list[int]:
+    from multigpu.devices import assign_cores, parse_devices
+
+    return list(assign_cores(parse_devices(config["devices"]), warn=False)[0].cores)
+
+
 def run(args: argparse.Namespace) -> int:
-    from multigpu.balance import balance_efficiency
-    from multigpu.bench import run_config, solo_devices_config
-    from multigpu.planning import split
+    from multigpu.balancing.search import balance_efficiency
+    from multigpu.bench.runs import run_config, solo_devices_config
+    from multigpu.planning.shares import split
 
     _check(args)
     if args.sweep:
         return _sweep(args)
+    n = len(args.devices)
     if args.batches is not None:
         batch, ratios = sum(args.batches), [float(b) for b in args.batches]
     else:
-        batch = args.batch_size or 256
-        ratios = "auto" if args.ratios == "auto" else (
-            None if args.ratios is None else parse_ratios(args.ratios, len(args.devices)))
+        batch, ratios = args.batch_size or 256, _ratios(args, n)
     config = _base_config(args, batch, ratios)
     config["print_every"] = batch * max(1, args.steps // 4)
     print(f"multigpu bench: model {args.model} (width {args.width:g}), global batch {batch}, "
           f"devices {' '.join(config['devices'])}, {args.steps} timed steps", flush=True)
     main = run_config(config, args.timeout)
     summary = {"multigpu": main, "baselines": {}, "solo": []}
-    n = len(config["devices"])
-    print(f"\nmultigpu: {main['samples_per_second']:.1f} samples/s in total", flush=True)
-    if n > 1 and not args.no_solo:
+    print(f"\nmultigpu: {main['samples_per_second']:.1f} samples/s in total "
+          f"(gradients summed through {main.get('transport', '?')})", flush=True)
+    if len(config["devices"]) > 1 and not args.no_solo:
         shares = main.get("shares") or split(batch, ratios if isinstance(ratios, list) else [1.0] * n)
         for solo in solo_devices_config(config, shares):
             result = run_config(dict(solo, print_every=0), args.timeout, stream=False)
@@ -129,16 +145,18 @@ def run(args: argparse.Namespace) -> int:
     for name in filter(None, args.baseline.split(",")):
         cfg = dict(config, mode=name, print_every=0, ratios=None)
         if name == "single":  # on the first device's own cores, as in the parallel run
-            from multigpu.devices import assign_cores, parse_devices
-
-            cfg["devices"] = config["devices"][:1]
-            cfg["cores"] = list(assign_cores(parse_devices(config["devices"]))[0].cores)
+            cfg["devices"], cfg["cores"] = config["devices"][:1], _first_cores(config)
         result = run_config(cfg, args.timeout, stream=False)
         summary["baselines"][name] = result
         ratio = main["samples_per_second"] / result["samples_per_second"]
-        label = "plain model.fit on one device" if name == "single" else "PyTorch DDP, equal shares"
-        print(f"baseline {name} ({label}): {result['samples_per_second']:.1f} samples/s; "
+        print(f"baseline {name} ({BASELINES[name]}): {result['samples_per_second']:.1f} samples/s; "
               f"multigpu is {ratio:.2f}x", flush=True)
+    single = summary["baselines"].get("single")
+    if single and main["samples_per_second"] < single["samples_per_second"]:
+        print(f"note: at a global batch of {batch} the {n} devices are slower than one device alone "
+              f"({main['samples_per_second']:.0f} against {single['samples_per_second']:.0f} samples/s): "
+              "communication and per-step work cost more than they save. "
+              "`multigpu bench --sweep` finds the batch from which they pay.")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.json").write_text(json.dumps(summary, indent=2))
@@ -146,21 +164,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def break_even(rows: list[dict]) -> int | None:
+    """The smallest batch size of a sweep from which every larger one runs faster on all devices than on one."""
+    sizes = sorted({r["batch_size"] for r in rows})
+    many = {r["batch_size"]: r["speedup"] for r in rows if r["devices"] > 1}
+    paying = [s for s in sizes if many.get(s, 0.0) > 1.0]
+    for s in sizes:
+        if s in many and all(many.get(t, 0.0) > 1.0 for t in sizes if t >= s):
+            return s
+    return paying[0] if paying else None
+
+
 def _sweep(args) -> int:
-    from multigpu.bench import run_config
+    from multigpu.bench.runs import run_config
 
     sizes = [int(s) for s in args.sweep.split(",")]
-    ratios = "auto" if args.ratios == "auto" else (
-        None if args.ratios is None else parse_ratios(args.ratios, len(args.devices)))
+    ratios = _ratios(args, len(args.devices))
     rows = []
     epoch_rows = 60000
     for size in sizes:
         base = _base_config(args, size, ratios)
-        from multigpu.devices import assign_cores, parse_devices
-
-        first = assign_cores(parse_devices(base["devices"]))[0]
         one = run_config(dict(base, mode="solo", devices=base["devices"][:1], ratios=None,
-                              cores=list(first.cores)), args.timeout, stream=False)
+                              cores=_first_cores(base)), args.timeout, stream=False)
         runs = [(1, one)]
         if len(base["devices"]) > 1:
             runs.append((len(base["devices"]), run_config(base, args.timeout, stream=False)))
@@ -173,26 +198,37 @@ def _sweep(args) -> int:
             })
             print(f"batch {size:>5}  devices {count}  {sps:>9.1f} samples/s  "
                   f"speedup {rows[-1]['speedup']:.2f}x", flush=True)
+    even = break_even(rows)
     table = ["| batch size | devices | time per epoch (s) | samples/s | speed up | final loss |",
              "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        mark = " (pays from here)" if r["batch_size"] == even and r["devices"] > 1 else ""
         table.append(f"| {r['batch_size']} | {r['devices']} | {r['time_per_epoch']:.1f} | "
-                     f"{r['samples_per_second']:.1f} | {r['speedup']:.2f} | {r['loss']:.4f} |")
+                     f"{r['samples_per_second']:.1f} | {r['speedup']:.2f}{mark} | {r['loss']:.4f} |")
     print("\n" + "\n".join(table))
     print(f"(time per epoch: {epoch_rows} samples at the measured rate)")
+    if len(args.devices) > 1:
+        print(f"break-even: from a global batch of {even} the devices together are faster than one alone"
+              if even is not None else "break-even: at none of these batch sizes are the devices together faster "
+              "than one alone; try larger batches")
     out = args.out or Path(".")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"model": args.model, "devices": args.devices, "rows": rows},
-                                               indent=2))
+    (out / "sweep.json").write_text(json.dumps({"model": args.model, "devices": args.devices, "rows": rows,
+                                                "break_even": even}, indent=2))
     (out / "sweep.md").write_text("\n".join(table) + "\n")
-    _plot(rows, out / "sweep.png", args.model)
-    print(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'}, {out / 'sweep.png'}")
+    written = [out / "sweep.json", out / "sweep.md"]
+    if _plot(rows, out / "sweep.png", args.model, even):
+        written.append(out / "sweep.png")
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 
-def _plot(rows, path: Path, title: str) -> None:
-    import matplotlib
-
+def _plot(rows, path: Path, title: str, even: int | None) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib, or pip install 'keras-multigpu[plot]')")
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -203,6 +239,8 @@ def _plot(rows, path: Path, title: str) -> None:
         for count in sorted({r["devices"] for r in rows}):
             pts = [(r["batch_size"], r[key]) for r in rows if r["devices"] == count]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{count} device(s)")
+        if even is not None:
+            ax.axvline(even, color="gray", linestyle="--", linewidth=1, label="break-even")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global batch size")
         ax.set_ylabel(label)
@@ -212,3 +250,4 @@ def _plot(rows, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True

@@ -31,10 +31,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from multigpu.bench import run_config
-    from multigpu.calibrate import default_profile_path, profile_key, write_profile
+    from multigpu.balancing.profiles import default_profile_path, profile_key, write_profile
+    from multigpu.bench.models import get_model
+    from multigpu.bench.runs import run_config
     from multigpu.devices import assign_cores, parse_devices
-    from multigpu.models import get_model
 
     devices = assign_cores(parse_devices(args.devices))
     get_model(args.model)

@@ -37,7 +37,7 @@ def main():
     x = rng.normal(size=(a.rows, 128)).astype("float32")
     y = rng.integers(0, 10, size=(a.rows,))
     model.fit(x, y, batch_size=256, epochs=a.epochs, verbose=0)
-    state = model._multigpu_state
+    state = multigpu.state(model)
     if multigpu.rank() == 0:
         with open(a.out, "w") as f:
             json.dump({"ratios": state.ratios, "speeds": state.speeds, "report": state.last_report}, f)

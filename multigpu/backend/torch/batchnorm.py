@@ -2,7 +2,7 @@
 
 Default: each device normalises over its own share, and the moving mean and
 variance are averaged over ranks, weighted by share, at every epoch end and
-before ``evaluate``/``predict`` (:meth:`ParallelState.sync_batchnorm_statistics`).
+before ``evaluate``/``predict`` (:func:`average_statistics`).
 
 ``parallelize(..., sync_batchnorm=True)``: the batch statistics of every
 ``BatchNormalization`` layer are computed over the whole global batch.  Each
@@ -10,7 +10,10 @@ rank sums its rows and squared rows and a differentiable all-reduce adds them
 up, so the forward pass equals one device's on the whole batch, and the
 backward pass sends each rank's gradient of the statistics to every rank.  For
 that to be exact each rank back-propagates its loss already weighted by its
-share (see ``ParallelState.train_step``).
+share (the training step does, see :mod:`multigpu.backend.torch.step`).
+The layer's private ``_moments`` and ``_reduction_axes`` are reached through
+:mod:`multigpu.keras._compat`'s version check (Keras's own
+``synchronized=True`` raises on torch).
 """
 
 from __future__ import annotations
@@ -22,15 +25,35 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
-__all__ = ["batchnorm_layers", "install_global_moments"]
+from multigpu.keras import _compat
+
+__all__ = ["average_statistics", "batchnorm_layers", "install_global_moments"]
 
 
 def batchnorm_layers(model) -> list:
     """Every ``BatchNormalization`` layer of ``model``, nested ones included."""
-    return [
-        layer for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
+    return [layer for layer in _compat.flatten_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def average_statistics(model, comm, weight: float) -> None:
+    """Replaces every BatchNorm moving statistic by ``sum_r weight_r * value_r`` over ranks."""
+    seen, variables = set(), []
+    for layer in batchnorm_layers(model):
+        for v in layer.non_trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                variables.append(v)
+    if not variables:
+        return
+    values = [v.value.detach() for v in variables]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in values]) * weight
+    with comm.fatal("averaging BatchNorm statistics"):
+        dist.all_reduce(flat)
+    offset = 0
+    with torch.no_grad():
+        for v, t in zip(variables, values):
+            v.value.copy_(flat[offset : offset + t.numel()].view(t.shape).to(t.dtype))
+            offset += t.numel()
 
 
 def _global_moments(layer):

@@ -1,12 +1,9 @@
-"""Calibration: measure each device's speed and keep it in a profile.
+"""Profiles: measured speeds and shares kept in a JSON file between runs.
 
-``ratios="auto"`` makes every rank, at the first training step, run a few
-*solo* forward and backward passes on its own share of the batch (no
-collective, so nobody waits for anybody), time them, and restore every
-variable afterwards.  One all-reduce then gives every rank every speed, and
-the shares are set in proportion.  The result is kept in a small JSON
-profile keyed by the model's signature and the device set, so the next run
-starts balanced.  Nothing is ever unpickled: profiles are JSON.
+An entry is keyed by the model's signature (class, weight paths, shapes and
+dtypes) and the device list, so the next run of the same model on the same
+devices starts from the shares the last one found.  Nothing is ever
+unpickled: profiles are JSON, written atomically (temporary file, rename).
 """
 
 from __future__ import annotations
@@ -14,19 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = [
-    "ProfileError",
-    "default_profile_path",
-    "model_signature",
-    "profile_key",
-    "read_profile",
-    "solo_speed",
-    "write_profile",
-]
+__all__ = ["ProfileError", "default_profile_path", "model_signature", "profile_key", "read_profile", "write_profile"]
 
 PROFILE_VERSION = 1
 
@@ -36,8 +24,10 @@ class ProfileError(ValueError):
 
 
 def default_profile_path() -> Path:
-    """``$MULTIGPU_PROFILE`` or ``~/.cache/multigpu/profiles.json``."""
-    explicit = os.environ.get("MULTIGPU_PROFILE")
+    """``$MULTIGPU_PROFILE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``multigpu/profiles.json``."""
+    from multigpu import env
+
+    explicit = os.environ.get(env.PROFILE)
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -45,7 +35,7 @@ def default_profile_path() -> Path:
 
 
 def model_signature(model) -> str:
-    """A short hash of the model's class, layers and weight shapes."""
+    """A short hash of the model's class, weight paths, shapes and dtypes."""
     parts = [type(model).__name__]
     for v in model.trainable_variables:
         parts.append(f"{v.path}:{tuple(v.shape)}:{v.dtype}")
@@ -53,6 +43,7 @@ def model_signature(model) -> str:
 
 
 def profile_key(signature: str, device_specs: Sequence[str]) -> str:
+    """The entry's key: model signature and device list."""
     return f"{signature}@{','.join(device_specs)}"
 
 
@@ -76,7 +67,7 @@ def read_profile(path: str | os.PathLike, key: str | None = None, device_specs: 
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ProfileError(f"no profile at {path}") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProfileError(f"the profile {path} is not valid JSON ({exc})") from None
     entries = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(entries, dict) or data.get("version") != PROFILE_VERSION:
@@ -90,12 +81,13 @@ def read_profile(path: str | os.PathLike, key: str | None = None, device_specs: 
     else:
         entry = entries[key]
     ratios = entry.get("ratios") if isinstance(entry, dict) else None
-    if not isinstance(ratios, list) or not all(isinstance(r, (int, float)) and r > 0 for r in ratios):
+    if not isinstance(ratios, list) or not ratios or not all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in ratios
+    ):
         raise ProfileError(f"the profile {path} has no valid ratios for this entry")
     if device_specs is not None and list(entry.get("devices", [])) != list(device_specs):
         raise ProfileError(
-            f"the profile {path} was measured on devices {entry.get('devices')}, "
-            f"not on {list(device_specs)}"
+            f"the profile {path} was measured on devices {entry.get('devices')}, not on {list(device_specs)}"
         )
     return entry
 
@@ -108,53 +100,9 @@ def write_profile(path: str | os.PathLike, key: str, entry: dict) -> None:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             data = {}
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         data = {}
     data = {"version": PROFILE_VERSION, "entries": {**data.get("entries", {}), key: entry}}
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     os.replace(tmp, path)
-
-
-def solo_speed(model, x, y, sample_weight, *, warmup: int = 1, min_steps: int = 2,
-               min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
-    """Samples/s of forward and backward passes on one local batch, alone.
-
-    Every variable of the model (weights, BatchNorm statistics, random seed
-    state) is restored afterwards, so training is unchanged.
-
-    Returns:
-        ``(samples_per_second, seconds_spent)``.
-    """
-    import keras
-    import torch
-
-    rows = next(int(a.shape[0]) for a in keras.tree.flatten(x) if a is not None)
-    if rows == 0:
-        return 0.0, 0.0
-    variables = list(model.variables)
-    saved = [v.value.detach().clone() for v in variables]
-    began = time.perf_counter()
-    timed: list[float] = []
-    steps = 0
-    try:
-        while True:
-            t0 = time.perf_counter()
-            model.zero_grad()
-            if model._call_has_training_arg:
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-            loss.backward()
-            steps += 1
-            if steps > warmup:
-                timed.append(time.perf_counter() - t0)
-            if (len(timed) >= min_steps and sum(timed) >= min_seconds) or steps >= max_steps + warmup:
-                break
-    finally:
-        with torch.no_grad():
-            for v, s in zip(variables, saved):
-                v.value.copy_(s)
-        model.zero_grad()
-    return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began

@@ -1,11 +1,12 @@
 """The entry point of every rank process that multigpu starts.
 
-``python -m multigpu.rank_entry script PATH ARGS...`` (or ``module NAME`` or
-``code TEXT``) runs the user's program as ``python PATH ARGS...`` would, then
-ends the process the way :mod:`multiprocessing` ends its workers: it waits for
-the program's threads, runs the ``atexit`` handlers (which leave the process
-group together with the other ranks), flushes the output and calls
-``os._exit`` with the program's exit code.
+``python -m multigpu.runtime.rank_entry script PATH ARGS...`` (or ``module
+NAME`` or ``code TEXT``) runs the user's program as ``python PATH ARGS...``
+would, then ends the process the way :mod:`multiprocessing` ends its workers:
+it waits for the program's threads, runs the ``atexit`` handlers (which leave
+the process group together with the other ranks), flushes the output and
+calls ``os._exit`` with the program's exit code.  The handlers get the run's
+timeout plus a few seconds: a rank never hangs in its own teardown.
 
 Skipping the interpreter's finalization matters here: DDP keeps the gloo
 process group, and its worker threads, alive until the process ends, and a
@@ -123,12 +124,23 @@ def main(argv: list[str]) -> int:
     return code
 
 
+def _deadline_for_exit() -> float:
+    try:
+        return float(os.environ.get("MULTIGPU_TIMEOUT", "60")) + 10.0
+    except ValueError:
+        return 70.0
+
+
 def _finish(code: int) -> None:
     """Ends the process as the interpreter would, minus its finalization."""
     main_thread = threading.main_thread()
     for t in threading.enumerate():
         if t is not main_thread and not t.daemon and t.is_alive():
             t.join()
+    # Bounded: a handler stuck in C++ (a collective with a vanished peer) must not keep the rank alive.
+    timer = threading.Timer(_deadline_for_exit(), os._exit, args=(code or 1,))
+    timer.daemon = True
+    timer.start()
     try:
         atexit._run_exitfuncs()
     finally:

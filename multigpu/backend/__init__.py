@@ -1,0 +1,54 @@
+"""The backend seam: one module per Keras backend, chosen once, as Keras does.
+
+Everything above this package (planning, balancing, the supervisor, the Keras
+integration, the command line) is backend-neutral.  A backend module gives:
+
+* ``bind(device)``: threads and accelerator of this process;
+* ``join(runtime)`` / ``leave(failed)``: enter and leave the run's group;
+* ``Comm(runtime)``: the collectives (every error fatal);
+* ``attach_steps(parallel_model)``: the training, test and predict steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+__all__ = ["SUPPORTED", "get", "name"]
+
+SUPPORTED = ("torch",)
+
+
+def name() -> str:
+    """The Keras backend in use (``keras.backend.backend()`` once Keras is imported)."""
+    if "keras" in sys.modules:
+        import keras
+
+        return keras.backend.backend()
+    return os.environ.get("KERAS_BACKEND") or "torch"
+
+
+def check() -> str:
+    """The backend name, or a clear error when multigpu cannot run on it.
+
+    Raises:
+        RuntimeError: naming the backend found and the ones supported.
+    """
+    current = name()
+    if current not in SUPPORTED:
+        raise RuntimeError(
+            f"multigpu runs on Keras's {' or '.join(SUPPORTED)} backend. Set KERAS_BACKEND={SUPPORTED[0]} before "
+            f"Keras is imported (e.g. `KERAS_BACKEND={SUPPORTED[0]} python train.py`). Received: backend={current!r}"
+        )
+    return current
+
+
+def get() -> ModuleType:
+    """The module of the backend in use."""
+    current = check()
+    if current == "torch":
+        from multigpu.backend import torch as module
+    else:  # pragma: no cover - guarded by check()
+        raise RuntimeError(current)
+    return module

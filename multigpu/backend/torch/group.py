@@ -1,0 +1,77 @@
+"""The run's process group on torch: rendezvous, joining, binding, leaving.
+
+CPU devices use gloo, CUDA devices NCCL.  On one machine the supervisor hosts
+the ``TCPStore`` on 127.0.0.1 and a free port (the listening socket is handed
+to the store, so no other process can take the port between choosing and
+binding it); under torchrun the group is the one torchrun set up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from multigpu import env
+
+__all__ = ["bind", "join", "leave", "process_group_backend"]
+
+
+def bind(device) -> None:
+    """Makes torch use this process's device: its cores (threads) or its GPU."""
+    if device.is_cuda:
+        torch.cuda.set_device(device.index)
+    elif device.cores:
+        torch.set_num_threads(len(device.cores))
+
+
+def process_group_backend(runtime) -> str:
+    """``nccl`` when every device is a GPU, else ``gloo``."""
+    return "nccl" if all(d.is_cuda for d in runtime.devices) else "gloo"
+
+
+def join(runtime) -> None:
+    """Joins the run's process group (and, under torchrun, learns every rank's device)."""
+    kwargs = {"backend": process_group_backend(runtime), "rank": runtime.rank, "world_size": runtime.world_size,
+              "timeout": datetime.timedelta(seconds=runtime.timeout)}
+    if runtime.mode == "launched":  # rank 0 serves the store on the socket the supervisor opened
+        fd = os.environ.pop(env.STORE_FD, None)
+        kwargs["store"] = dist.TCPStore(
+            os.environ[env.MASTER_ADDR], int(os.environ[env.MASTER_PORT]), runtime.world_size, fd is not None,
+            datetime.timedelta(seconds=runtime.timeout), wait_for_workers=False,
+            **({"master_listen_fd": int(fd)} if fd is not None else {}))
+    if runtime.device.is_cuda:
+        kwargs["device_id"] = torch.device(f"cuda:{runtime.device.index}")
+    try:
+        dist.init_process_group(**kwargs)
+    except Exception as exc:  # a peer that never came, a store that went away
+        from multigpu.runtime import fail
+
+        fail(f"could not join the run's process group: {type(exc).__name__}: {exc}")
+    if runtime.mode == "torchrun":
+        from multigpu.devices import parse_devices
+
+        specs: list[str | None] = [None] * runtime.world_size
+        dist.all_gather_object(specs, runtime.device.spec)
+        mine = runtime.device
+        runtime.devices = [mine if r == runtime.rank else parse_devices([s], num_gpus=10**6)[0]
+                           for r, s in enumerate(specs)]
+
+
+def leave(failed: bool) -> None:
+    """Leaves the group at exit: together with the others after a success, at once after a failure.
+
+    After a success a barrier comes first, so that no rank closes its
+    connections while a peer still uses them (gloo aborts the peer
+    otherwise).  After a failure the group is not touched again: a
+    collective with a vanished peer could wait for the whole timeout.
+    """
+    if failed or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass

@@ -1,0 +1,216 @@
+"""The gradient path: share-weighted sums of gradients, at the optimizer's door.
+
+Rank ``r`` computes the gradient ``g_r`` of its mean loss over its ``b_r``
+rows.  The gradient of the mean loss over the global batch of ``B`` rows is
+``sum_r (b_r / B) * g_r``, so every rank multiplies its gradients by
+``b_r / B`` and the ranks sum them.  That is exact for any shares, ragged
+batches and empty ranks (an empty rank adds zeros), and for terms that do not
+depend on the batch (regularizers), since the weights sum to one.
+
+:class:`GradientSync` does this inside ``optimizer.apply``: every optimizer a
+parallel model trains with is wrapped on the instance, so the built-in step,
+any ``train_step`` override (several optimizers, several backward passes,
+frozen parts) and ``train_on_batch`` take the same path.  One collective per
+``apply`` carries the gradients, one flag per variable (a variable without a
+gradient on every rank keeps ``None``, as on one device: an optimizer with
+momentum must not see a zero there), whatever the step attached (metric
+states and step timings, so that the built-in step needs no other
+collective), and a short header that catches ranks whose calls differ.
+
+Compression (``"bf16"``, ``"fp16"``) sends the weighted gradients in 16 bits
+and the rest in float32: the weighting is applied before the cast, so it stays
+right whatever the rounding does.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["COMPRESSION", "GradientSync"]
+
+COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_HEADER = 3
+_TAG_MOD = 2039  # tag and tag**2 summed over up to 4 ranks stay exact in float32
+
+
+@dataclass
+class _Layout:
+    """Where each variable's gradient sits in the flat vector."""
+
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    offsets: list[int]
+    numel: int
+    variables: int
+    tag: int
+    names: list[str]
+
+    def describe(self, extras: int, call: int) -> str:
+        names = ", ".join(self.names[:4]) + (", ..." if len(self.names) > 4 else "")
+        return (f"{self.variables} gradients ({self.numel} values: {names}) and {extras} extra values "
+                f"in optimizer call {call + 1} of the step")
+
+
+class GradientSync:
+    """Sums share-weighted gradients over ranks inside every wrapped ``optimizer.apply``.
+
+    Args:
+        comm: the run's collectives.
+        waiting: a context manager factory; time inside it counts as waiting.
+        compression: ``None``, ``"bf16"`` or ``"fp16"``.
+    """
+
+    def __init__(self, comm, waiting: Callable, compression: str | None = None) -> None:
+        if compression not in COMPRESSION:
+            raise ValueError(f"`compression` must be one of {sorted(map(str, COMPRESSION))}. "
+                             f"Received: compression={compression!r}")
+        self.comm = comm
+        self.waiting = waiting
+        self.compression = compression
+        self.weight = 1.0
+        self.active = False  # inside a training step
+        self.calls = 0  # optimizer calls in the current step
+        self._extras: torch.Tensor | None = None  # attached to the next call
+        self.extras_out: list[float] | None = None
+        self.log: list[tuple] = []  # this step's optimizer calls: (apply, variables), for an empty rank to replay
+        self._layouts: dict[tuple, _Layout] = {}
+
+    # ------------------------------------------------------------ wiring
+    def wrap(self, optimizer) -> None:
+        """Makes ``optimizer.apply`` (and so ``apply_gradients``) sum gradients over ranks first."""
+        if optimizer is None or getattr(optimizer, "_multigpu_sync", None) is self:
+            return
+        original = type(optimizer).apply.__get__(optimizer)
+        sync = self
+
+        def apply(grads, trainable_variables=None):
+            if not sync.active:
+                return original(grads, trainable_variables)
+            variables = trainable_variables
+            if variables is None:
+                from multigpu.keras import _compat
+
+                variables = _compat.optimizer_variables(optimizer)
+            variables = list(variables)
+            sync.log.append((original, variables))
+            grads = sync.reduce(list(grads), variables)
+            return original(grads, trainable_variables)
+
+        object.__setattr__(optimizer, "apply", apply)
+        object.__setattr__(optimizer, "_multigpu_sync", self)
+
+    def begin_step(self, weight: float) -> None:
+        """Called by the step before the user's or built-in code runs."""
+        self.weight = float(weight)
+        self.active = True
+        self.calls = 0
+        self.extras_out = None
+        self.log = []
+
+    def replay(self, calls: list[tuple]) -> None:
+        """Takes part in the optimizer calls of another rank's step with no gradients of its own.
+
+        A rank with no rows in a step cannot run a custom ``train_step`` (a
+        mean over no rows is NaN); it adds zeros to the same sums instead and
+        applies the result, so its weights stay equal to the others'.
+        """
+        for original, variables in calls:
+            self.log.append((original, variables))
+            grads = self.reduce([None] * len(variables), variables)
+            with torch.no_grad():
+                original(grads, variables)
+
+    def end_step(self) -> None:
+        self.active = False
+        self._extras = None
+
+    def attach(self, extras: torch.Tensor) -> None:
+        """Sends ``extras`` (float32, summed as they are) with the next optimizer call."""
+        self._extras = extras
+
+    # ------------------------------------------------------------ the sum
+    def _layout(self, grads: Sequence, variables: Sequence) -> _Layout:
+        key = tuple((id(v), tuple(v.shape)) for v in variables)
+        layout = self._layouts.get(key)
+        if layout is None:
+            shapes, dtypes, offsets, names, offset = [], [], [], [], 0
+            for v in variables:
+                value = v.value
+                shapes.append(value.shape)
+                dtypes.append(value.dtype)
+                offsets.append(offset)
+                names.append(getattr(v, "path", "?"))
+                offset += value.numel()
+            signature = ";".join(f"{n}:{tuple(s)}" for n, s in zip(names, shapes)).encode()
+            tag = zlib.crc32(signature) % _TAG_MOD
+            layout = self._layouts[key] = _Layout(shapes, dtypes, offsets, offset, len(variables), tag, names)
+        return layout
+
+    def reduce(self, grads: list, variables: list) -> list:
+        """The share-weighted sum over ranks of ``grads`` (``None`` where no rank has a gradient)."""
+        layout = self._layout(grads, variables)
+        call = self.calls
+        self.calls += 1
+        extras = self._extras
+        self._extras = None
+        n_extra = 0 if extras is None else extras.numel()
+        tag = (layout.tag * 31 + call * 7 + n_extra) % _TAG_MOD
+        half = COMPRESSION[self.compression]
+        n_grad, v = layout.numel, layout.variables
+        # float32 part: [grads (unless compressed) | used flags | extras | header]
+        tail = v + n_extra + _HEADER
+        flat = self.comm.buffer(tail + (0 if half is not None else n_grad), torch.float32)
+        grads_part = flat[:n_grad] if half is None else self.comm.buffer(n_grad, half)
+        weight = self.weight
+        for g, o, shape in zip(grads, layout.offsets, layout.shapes):
+            size = shape.numel()
+            target = grads_part[o : o + size]
+            if g is None:
+                target.zero_()
+            elif g.dtype == target.dtype and g.device == target.device:
+                torch.mul(g.reshape(-1), weight, out=target)
+            else:
+                target.copy_(g.reshape(-1) * weight)
+        base = 0 if half is not None else n_grad
+        used = flat[base : base + v]
+        for i, g in enumerate(grads):
+            used[i] = 0.0 if g is None else 1.0
+        if extras is not None:
+            flat[base + v : base + v + n_extra].copy_(extras.reshape(-1))
+        flat[-3], flat[-2], flat[-1] = float(tag), float(tag * tag), 1.0
+        describe = lambda: layout.describe(n_extra, call)  # noqa: E731
+        with self.waiting():
+            if half is not None:
+                summed_grads = self.comm.reduce(grads_part, tag=tag, what="summing gradients", describe=describe)
+                summed = self.comm.reduce(flat, tag=tag + 1, what="summing gradients", describe=describe)
+            else:
+                summed = self.comm.reduce(flat, tag=tag, what="summing gradients", describe=describe)
+                summed_grads = summed
+        self._check_header(summed, tag, describe)
+        flags = summed[base : base + v].tolist()
+        if extras is not None:
+            self.extras_out = summed[base + v : base + v + n_extra].tolist()
+        out = []
+        for i, (o, shape, dtype) in enumerate(zip(layout.offsets, layout.shapes, layout.dtypes)):
+            if flags[i] < 0.5:
+                out.append(None)
+                continue
+            g = summed_grads[o : o + shape.numel()].view(shape)
+            out.append(g if g.dtype == dtype else g.to(dtype))
+        return out
+
+    def _check_header(self, summed: torch.Tensor, tag: int, describe) -> None:
+        world = float(self.comm.world_size)
+        got = summed[-3:].tolist()
+        if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
+            from multigpu.backend.torch.collectives import CollectiveMismatchError
+            from multigpu.runtime import fail
+
+            fail(str(CollectiveMismatchError(
+                f"the ranks' optimizer calls did not match: this rank summed {describe()}, and another rank "
+                "something else. Every rank must call the optimizer on the same variables the same number "
+                "of times per step.")))

@@ -1,0 +1,264 @@
+"""The training, test and predict steps of a parallel model on torch.
+
+One global batch, followed from the data to the weights:
+
+1. the data path cut this rank's rows and queued the batch's plan
+   (:mod:`multigpu.keras.data`); the step takes the plan back;
+2. the step sets the gradient weight ``b_r / B`` from the plan;
+3. forward, loss, metrics, backward, as Keras's own step;
+4. ``optimizer.apply`` sums the weighted gradients over ranks in one
+   collective, which also carries the metric states and the step timings
+   (:mod:`multigpu.backend.torch.reducer`);
+5. the logs come back global, and the balancer reads every rank's timings.
+
+A model class that overrides ``train_step`` (or ``test_step``,
+``predict_step``) keeps its own step: its optimizer calls go through the same
+weighted sum, and its logs become global in one collective after it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import keras
+import torch
+
+from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
+from multigpu.backend.torch.metrics import GlobalMetrics
+from multigpu.backend.torch.reducer import GradientSync
+from multigpu.balancing.timing import StepRecord
+from multigpu.keras import _compat
+
+__all__ = ["TorchSteps"]
+
+
+def _rows(x) -> int:
+    for leaf in keras.tree.flatten(x):
+        if leaf is not None:
+            return int(leaf.shape[0])
+    return 0
+
+
+def _own(cls, name: str):
+    """The class's ``name`` if it overrides Keras's, else None."""
+    method = getattr(cls, name)
+    return None if method is getattr(keras.Model, name) else method
+
+
+class TorchSteps:
+    """The steps of one parallel model (see the module docstring).
+
+    Args:
+        parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
+    """
+
+    def __init__(self, parallel) -> None:
+        self.parallel = parallel
+        self.model = model = parallel.model
+        self.comm = parallel.comm
+        self.timing = parallel.timing
+        self.balancer = parallel.balancer
+        self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression)
+        self.metrics = GlobalMetrics(model, self.comm)
+        self.sync_batchnorm = parallel.options.sync_batchnorm
+        cls = type(model)
+        self.user_train_step = _own(cls, "train_step")
+        self.user_test_step = _own(cls, "test_step")
+        self.user_predict_step = _own(cls, "predict_step")
+        self.keras_test_step = keras.Model.test_step.__get__(model)
+        self.keras_predict_step = keras.Model.predict_step.__get__(model)
+        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
+        self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
+        self._initialized = False
+        self._replay: list[tuple] = []
+        if self.sync_batchnorm:
+            install_global_moments(model)
+
+    def methods(self) -> dict:
+        """What the model instance gets."""
+        return {"train_step": self.train_step, "test_step": self.test_step, "predict_step": self.predict_step,
+                "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
+
+    # ---------------------------------------------------------- first step
+    def _initialize(self) -> None:
+        """Rank 0's weights everywhere, and different random streams on every rank (once, at the first step)."""
+        if self._initialized:
+            return
+        self._initialized = True
+        seeds = _compat.seed_variables(self.model)
+        metric_ids = {id(v) for m in self.model.metrics for v in m.variables}
+        state = [v for v in self.model.variables if id(v) not in metric_ids]
+        self.comm.broadcast([v.value for v in state])
+        with torch.no_grad():
+            for v in seeds:  # Dropout must draw different numbers on each rank
+                v.value[0] += 1_000_003 * self.comm.rank
+
+    def _optimizers(self) -> list:
+        found = [self.model.optimizer] if getattr(self.model, "optimizer", None) is not None else []
+        for value in vars(self.model).values():
+            if isinstance(value, keras.optimizers.Optimizer) and value not in found:
+                found.append(value)
+        return found
+
+    # ---------------------------------------------------------- training
+    def train_step(self, data):
+        self._initialize()
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        plan = self.balancer.planner.take(_rows(x))
+        if not self.balancer.calibrated:
+            self._calibrate(x, y, sample_weight, plan)
+        self.metrics.invalidate()
+        self.timing.begin()
+        for optimizer in self._optimizers():
+            self.sync.wrap(optimizer)
+        # With global BatchNorm statistics the backward pass crosses ranks, so each rank weights its own loss.
+        self.sync.begin_step(1.0 if self.sync_batchnorm else plan.weight)
+        try:
+            if self.user_train_step is not None:
+                logs = self._custom_train(data, plan)
+            else:
+                logs = self._builtin_train(x, y, sample_weight, plan)
+        finally:
+            self.sync.end_step()
+        self.timing.end(plan.local)
+        return logs
+
+    def _builtin_train(self, x, y, sample_weight, plan):
+        model = self.model
+        local = plan.local
+        logs_local = None
+        model.zero_grad()
+        trainable = model.trainable_weights[:]
+        if local > 0 or self.sync_batchnorm:
+            y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
+            if local > 0:
+                loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+                tracker = _compat.loss_tracker(model)
+                if tracker is not None:
+                    tracker.update_state(loss, sample_weight=local)
+                with self.metrics.local_results():
+                    logs_local = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            else:  # no rows here, but the global statistics' collectives must run
+                loss = sum(leaf.sum() for leaf in keras.tree.flatten(y_pred)) * 0.0
+            if self.sync_batchnorm:
+                loss = loss * plan.weight
+            if model.optimizer is not None:
+                loss = model.optimizer.scale_loss(loss)
+            if trainable:
+                loss.backward()
+        self.sync.attach(self.metrics.pack(logs_local, local, self.timing.vector(), "train"))
+        if trainable:
+            with torch.no_grad():
+                model.optimizer.apply([v.value.grad for v in trainable], trainable)
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            self.sync.reduce([], [])
+        return self._finish(self.sync.extras_out, "train")
+
+    def _custom_train(self, data, plan):
+        if plan.local > 0:
+            with self.metrics.local_results():
+                logs_local = self.user_train_step(self.model, data)
+            self._replay = list(self.sync.log)
+        else:
+            logs_local = None
+            self.sync.replay(self._replay)
+        return self._sum_logs(logs_local, plan.local, self.timing.vector(), "train")
+
+    def _sum_logs(self, logs_local, rows: int, timing: list[float], phase: str):
+        vec = self.metrics.pack(logs_local, rows, timing, phase)
+        buf = self.comm.buffer(vec.numel() + 1)
+        buf[:-1].copy_(vec)
+        buf[-1] = 1.0
+        with self.timing.waiting():
+            summed = self.comm.reduce(buf, tag=1000 + vec.numel() % 1000, what="summing the step's logs")
+        return self._finish(summed[:-1].tolist(), phase, len(timing))
+
+    def _finish(self, summed: list[float], phase: str, n_timing: int | None = None):
+        n_timing = self.timing.size if n_timing is None else n_timing
+        logs, timing = self.metrics.unpack(summed, n_timing, phase)
+        if n_timing:
+            self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size))
+        return logs
+
+    def _calibrate(self, x, y, sample_weight, plan) -> None:
+        def solo() -> tuple[float, float]:
+            if plan.local == 0 or self.user_train_step is not None:
+                return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
+            return self._solo_rate(x, y, sample_weight)
+
+        self.balancer.calibrate(solo, lambda v: self.comm.sum_floats(v, "calibrating"),
+                                self.parallel.steps_per_epoch)
+
+    def _solo_rate(self, x, y, sample_weight, *, warmup: int = 1, min_steps: int = 2, min_seconds: float = 1.0,
+                   max_steps: int = 30) -> tuple[float, float]:
+        """Samples/s of forward and backward passes on this rank's batch, alone; every variable restored."""
+        model = self.model
+        rows = _rows(x)
+        variables = list(model.variables)
+        saved = [v.value.detach().clone() for v in variables]
+        began = time.perf_counter()
+        timed: list[float] = []
+        steps = 0
+        try:
+            while True:
+                t0 = time.perf_counter()
+                model.zero_grad()
+                y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
+                loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+                loss.backward()
+                steps += 1
+                if steps > warmup:
+                    timed.append(time.perf_counter() - t0)
+                if (len(timed) >= min_steps and sum(timed) >= min_seconds) or steps >= max_steps + warmup:
+                    break
+        finally:
+            with torch.no_grad():
+                for v, s in zip(variables, saved):
+                    v.value.copy_(s)
+            model.zero_grad()
+        return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
+
+    # ---------------------------------------------------------- evaluation
+    def test_step(self, data):
+        self._initialize()
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        rows = _rows(x)
+        self.metrics.invalidate()
+        logs_local = None
+        if rows > 0:
+            step = self.keras_test_step if self.user_test_step is None else self.user_test_step.__get__(self.model)
+            with self.metrics.local_results():
+                logs_local = step(data)
+        return self._sum_logs(logs_local, rows, [], "test")
+
+    def predict_step(self, data):
+        self._initialize()
+        step = self.keras_predict_step if self.user_predict_step is None else self.user_predict_step.__get__(self.model)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        if _rows(x) > 0:
+            return step(data)
+        # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
+        one = keras.tree.map_structure(
+            lambda a: None if a is None else torch.zeros((1, *a.shape[1:]), dtype=a.dtype, device=a.device), x)
+        out = step((one,))
+        return keras.tree.map_structure(lambda a: a[:0], out)
+
+    # ---------------------------------------------------------- metrics
+    def get_metrics_result(self):
+        """Global results (local inside a step, where the step makes them global itself)."""
+        if self.metrics.local:
+            return self.keras_metrics_result()
+        return self.metrics.global_results()
+
+    def reset_metrics(self):
+        self.metrics.invalidate()
+        return self.keras_reset_metrics()
+
+    def sync_batchnorm_statistics(self) -> None:
+        """BatchNorm moving statistics averaged over ranks by share (no-op with global statistics)."""
+        if self.sync_batchnorm:
+            return
+        ratios = self.balancer.ratios
+        average_statistics(self.model, self.comm, ratios[self.comm.rank] / sum(ratios))

@@ -1,0 +1,296 @@
+"""The load balancer: the one owner of the shares of a parallel model.
+
+Everything that needs the shares asks the balancer: the data path plans each
+global batch through :attr:`LoadBalancer.planner` (which calls
+:meth:`LoadBalancer.shares`), the training step takes the plan back and weights
+its gradients by it, and after every step the balancer reads the shared
+:class:`~multigpu.balancing.timing.StepRecord` of the step before (every rank
+holds the same one) and may move the shares for the next batches.  Nothing
+else changes them.
+
+Shares come from, in order: the ratios the user gave; a profile of an earlier
+run; calibration (every device times a few solo passes at the first step);
+then, while training, the throughput-judged search of
+:mod:`multigpu.balancing.search`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from multigpu.balancing.profiles import ProfileError, default_profile_path, profile_key, read_profile, write_profile
+from multigpu.balancing.search import Event, ShareSearch, Window
+from multigpu.balancing.timing import StepRecord, format_report
+from multigpu.planning.plan import StepPlanner
+from multigpu.planning.shares import RatioSpec, capped_split
+
+__all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
+
+WINDOW_SECONDS = 1.5
+WINDOW_STEPS = 3
+
+
+def describe_shares(ratios: Sequence[float]) -> str:
+    """Shares as percentages, e.g. ``"67%/33%"``."""
+    total = sum(ratios)
+    return "/".join(f"{r / total:.0%}" for r in ratios)
+
+
+@dataclass
+class BalanceOptions:
+    """What the user asked of the balancer (see ``parallelize``).
+
+    Attributes:
+        spec: the ratios as given.
+        auto: measure and move shares (``ratios="auto"``, or devices that differ).
+        rebalance: move shares while training.
+        profile: the profile file, or None for the default.
+        recalibrate: measure even when the profile has an entry.
+        caps: per-device largest local batch.
+        report: print the per-device breakdown at each epoch end.
+    """
+
+    spec: RatioSpec
+    auto: bool
+    rebalance: bool
+    profile: str | None = None
+    recalibrate: bool = False
+    caps: list[int | None] | None = None
+    report: bool = False
+
+
+@dataclass
+class _Window:
+    steps: int = 0
+    seconds: float = 0.0
+    samples: int = 0
+    compute: list[float] = field(default_factory=list)
+    local: list[int] = field(default_factory=list)
+
+
+class LoadBalancer:
+    """Owns the current ratios of one parallel model.
+
+    Args:
+        devices: every rank's device (``label`` and ``spec`` are used).
+        rank: this process's rank.
+        options: the user's choices.
+        log: prints one line (rank 0 only).
+    """
+
+    def __init__(self, devices: Sequence, rank: int, options: BalanceOptions,
+                 log: Callable[[str], None]) -> None:
+        self.devices = list(devices)
+        self.rank = rank
+        self.world_size = len(devices)
+        self.options = options
+        self._log = log
+        fixed = options.spec.values if options.spec.kind == "fixed" else None
+        self.ratios: list[float] = list(fixed) if fixed else [1.0] * self.world_size
+        self.speeds: list[float] | None = None
+        self.solo_speeds: list[float] | None = None
+        self.calibrated = not options.auto
+        self.batch_size: int | None = None
+        self.search: ShareSearch | None = None
+        self.events: list[Event] = []
+        self.last_report: dict | None = None
+        self.planner = StepPlanner(self.shares, rank)
+        self._window = _Window()
+        self._epoch = self._empty_epoch()
+        self._changed = False
+        self._said_no_gain = False
+        self._windows = 0
+
+    # ------------------------------------------------------------- queries
+    def shares(self, total: int) -> list[int]:
+        """Rows per rank of a global batch of ``total`` rows, by the current ratios."""
+        return capped_split(total, self.ratios, self.options.caps)
+
+    def describe(self) -> str:
+        """One line naming the devices and their current shares."""
+        total = sum(self.ratios)
+        parts = [f"{d.label} {r / total:.0%}" for d, r in zip(self.devices, self.ratios)]
+        return f"multigpu: {self.world_size} device(s): " + ", ".join(parts)
+
+    # ------------------------------------------------------------- the run
+    def begin_fit(self, batch_size: int | None, signature: Callable[[], str]) -> None:
+        """Called when ``fit`` starts: the nominal global batch, and the profile if asked for."""
+        if batch_size:
+            self.shares(batch_size)  # a batch no cap allows fails here, on every rank
+        self.batch_size = batch_size or self.batch_size
+        self._signature = signature
+        if not self.calibrated and not self.options.recalibrate:
+            self._from_profile()
+        self._start_search()
+
+    def _profile_path(self) -> Path:
+        return Path(self.options.profile) if self.options.profile else default_profile_path()
+
+    def _key(self) -> str:
+        return profile_key(self._signature(), [d.spec for d in self.devices])
+
+    def _from_profile(self) -> None:
+        path = self._profile_path()
+        try:
+            entry = read_profile(path, self._key(), [d.spec for d in self.devices])
+        except ProfileError as exc:
+            if path.exists() and self.rank == 0:
+                warnings.warn(f"multigpu: cannot use the profile ({exc}); calibrating instead.", stacklevel=2)
+            return
+        self.ratios = [float(r) for r in entry["ratios"]]
+        self.speeds = entry.get("speeds")
+        self.calibrated = True
+        self._log(f"shares {describe_shares(self.ratios)} from the profile {path}")
+
+    def calibrate(self, solo: Callable[[], tuple[float, float]], all_reduce: Callable[[list[float]], list[float]],
+                  steps_per_epoch: int | None) -> None:
+        """Sets the shares from every device's solo speed (a collective; at the first step).
+
+        Args:
+            solo: runs this rank's solo passes; returns ``(samples/s, seconds spent)``.
+            all_reduce: sums a list of floats over ranks.
+            steps_per_epoch: for the log line's cost estimate.
+        """
+        self.calibrated = True
+        speed, spent = solo()
+        n = self.world_size
+        vec = [0.0] * (2 * n)
+        vec[self.rank], vec[n + self.rank] = speed, spent
+        vec = all_reduce(vec)
+        speeds, spent = vec[:n], max(vec[n:])
+        if all(v > 0 for v in speeds):
+            self.ratios = [v / sum(speeds) for v in speeds]
+            self.speeds = list(speeds)
+            self.solo_speeds = list(speeds)
+        epoch = (steps_per_epoch or 1) * (self.batch_size or 1) / max(sum(v for v in speeds if v > 0), 1e-9)
+        detail = ", ".join(f"{d.label} {v:.0f} samples/s" for d, v in zip(self.devices, speeds))
+        self._log(f"calibrated in {spent:.1f} s ({spent / max(epoch, 1e-9):.1%} of an epoch): "
+                  f"{detail} -> shares {describe_shares(self.ratios)}")
+        self._changed = True
+        self._start_search()
+
+    def _start_search(self) -> None:
+        if not (self.options.rebalance and self.calibrated and self.batch_size and self.world_size > 1):
+            return
+        if self.search is None or self.search.batch_size != self.batch_size:
+            self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps)
+            self._window = _Window()
+
+    # ------------------------------------------------------------- records
+    def record(self, rec: StepRecord | None) -> None:
+        """Reads the shared record of a finished step (the same on every rank)."""
+        if rec is None:
+            return
+        e = self._epoch
+        for r in range(self.world_size):
+            e["wall"][r] += rec.wall[r]
+            e["step"][r] += rec.step[r]
+            e["compute"][r] += rec.compute[r]
+            e["samples"][r] += rec.samples[r]
+        e["steps"] += 1
+        if self.search is None or self.batch_size is None:
+            return
+        if list(rec.samples) != self.search.shares():
+            self._window = _Window()  # a ragged step, or one run at other shares
+            return
+        w = self._window
+        if not w.compute:
+            w.compute, w.local = [0.0] * self.world_size, [0] * self.world_size
+        w.steps += 1
+        w.seconds += max(rec.wall)
+        w.samples += sum(rec.samples)
+        for r in range(self.world_size):
+            w.compute[r] += rec.compute[r]
+            w.local[r] += rec.samples[r]
+        factor = self.search.window_factor()
+        if w.steps < WINDOW_STEPS * factor or w.seconds < WINDOW_SECONDS * factor:
+            return
+        self._window = _Window()
+        window = Window(tuple(self.search.ratios), w.samples, w.seconds, tuple(w.compute), tuple(w.local))
+        before = list(self.ratios)
+        events = self.search.observe(window)
+        self.speeds = window.speeds() or self.speeds
+        self.ratios = list(self.search.ratios)
+        for event in events:
+            self.events.append(event)
+            self._log_event(event)
+        if self.ratios != before:
+            self._changed = True
+        self._check_gain(window)
+
+    def _log_event(self, e: Event) -> None:
+        if e.kind == "keep":
+            self._log(f"shares {describe_shares(e.before)} -> {describe_shares(e.after)}: "
+                      f"{e.throughput_after:.0f} samples/s against {e.throughput_before:.0f} ({e.reason}), kept")
+        elif e.kind == "undo":
+            self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
+                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}): undone")
+        elif e.kind == "settle":
+            self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s)")
+        elif e.kind == "restart":
+            self._log(f"searching shares again: {e.reason} ({e.throughput_after:.0f} samples/s, "
+                      f"{e.throughput_before:.0f} before)")
+
+    def _check_gain(self, window: Window) -> None:
+        """Says once when the devices together are slower than the fastest one alone."""
+        self._windows += 1
+        if self._said_no_gain or not self.solo_speeds or self._windows < 3:
+            return
+        best = max(self.solo_speeds)
+        if window.throughput >= 0.9 * best:  # clearly slower, not a noisy window
+            return
+        self._said_no_gain = True
+        fastest = self.devices[self.solo_speeds.index(best)].label
+        batch = self.batch_size or 0
+        step = window.seconds * batch / max(window.samples, 1)
+        # A step costs about c + B / (sum of solo speeds) on all devices and B / best on the fastest alone:
+        # c (communication and per-step work) is what the devices must earn back.
+        c = max(0.0, step - batch / sum(self.solo_speeds))
+        gain = 1.0 / best - 1.0 / sum(self.solo_speeds)
+        pays = f"; from a global batch of about {int(c / gain) + 1} they would pay" if gain > 0 else ""
+        self._log(f"at a global batch of {batch} the {self.world_size} devices together run "
+                  f"{window.throughput:.0f} samples/s, less than {fastest} alone ({best:.0f} samples/s in "
+                  f"calibration): communication and per-step work cost more than they save{pays}.")
+
+    def end_epoch(self, epoch: int) -> dict:
+        """The epoch's per-device breakdown (from the shared records); saves the profile if shares moved."""
+        e = self._epoch
+        rows = []
+        total = sum(self.ratios)
+        for r, d in enumerate(self.devices):
+            wall, step, compute = e["wall"][r], e["step"][r], e["compute"][r]
+            samples = e["samples"][r]
+            rows.append({
+                "device": d.label, "share": self.ratios[r] / total, "data": max(0.0, wall - step),
+                "compute": compute, "wait": max(0.0, step - compute), "samples": samples, "steps": e["steps"],
+                "samples_per_second": samples / wall if wall else 0.0,
+                "compute_samples_per_second": samples / compute if compute else 0.0,
+            })
+        self.last_report = {"epoch": epoch, "devices": rows}
+        self._epoch = self._empty_epoch()
+        if self.options.report and e["steps"]:
+            self._log(format_report(self.last_report).removeprefix("multigpu: "))
+        if self._changed and self.options.auto:
+            self._save_profile()
+        return self.last_report
+
+    def _empty_epoch(self) -> dict:
+        n = self.world_size
+        return {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n, "steps": 0}
+
+    def _save_profile(self) -> None:
+        self._changed = False
+        if self.rank != 0 or not self.speeds:
+            return
+        path = self._profile_path()
+        entry = {"devices": [d.spec for d in self.devices], "speeds": list(self.speeds), "ratios": list(self.ratios),
+                 "batch_size": self.batch_size, "measured": time.time(), "pid": os.getpid()}
+        try:
+            write_profile(path, self._key(), entry)
+        except OSError as exc:
+            warnings.warn(f"multigpu: could not write the profile {path}: {exc}", stacklevel=2)

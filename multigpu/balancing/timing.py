@@ -1,0 +1,123 @@
+"""Where the time goes: one rank's step timings, and the shared per-step record.
+
+For each training step a rank measures
+
+* **wall**: from the end of its previous step to the end of this one (the
+  input pipeline, Keras's own per-step work, and the step);
+* **step**: from the start of the step to its end;
+* **compute**: the step minus the time spent inside collectives (waiting for
+  the other ranks: communication that did not overlap, and imbalance).
+
+These three numbers and the step's samples travel with the step's last
+collective (a few floats beside the gradients), so that after it every rank
+holds every rank's numbers of the step before, with no collective of their
+own.  The balancer judges shares by them; the epoch report sums them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+__all__ = ["FIELDS", "StepRecord", "StepTiming", "format_report"]
+
+FIELDS = ("wall", "step", "compute", "samples")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Every rank's measurements of one step (the same on every rank).
+
+    Attributes:
+        wall: per rank, seconds from the end of the previous step to the end of this one.
+        step: per rank, seconds the step itself took.
+        compute: per rank, seconds computing (the step minus waiting in collectives).
+        samples: per rank, rows processed.
+    """
+
+    wall: tuple[float, ...]
+    step: tuple[float, ...]
+    compute: tuple[float, ...]
+    samples: tuple[int, ...]
+
+    @classmethod
+    def from_vector(cls, values: Sequence[float], world_size: int) -> StepRecord | None:
+        """Reads the summed vector that :meth:`StepTiming.vector` filled on each rank."""
+        n = world_size
+        parts = [tuple(float(v) for v in values[i * n : (i + 1) * n]) for i in range(len(FIELDS))]
+        if not any(parts[0]):
+            return None  # no rank had a finished step to report
+        return cls(parts[0], parts[1], parts[2], tuple(round(s) for s in parts[3]))
+
+
+class StepTiming:
+    """Measures one rank's steps.
+
+    Args:
+        rank: this rank.
+        world_size: number of ranks.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._start = 0.0
+        self._waiting = 0.0
+        self._last_end: float | None = None
+        self._pending: tuple[float, float, float, int] | None = None
+
+    def begin(self) -> None:
+        """Marks the start of a step."""
+        self._start = time.perf_counter()
+        self._waiting = 0.0
+
+    @contextmanager
+    def waiting(self):
+        """Time spent in this block counts as waiting, not computing."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waiting += time.perf_counter() - t0
+
+    def end(self, samples: int) -> None:
+        """Marks the end of a step that processed ``samples`` rows here."""
+        now = time.perf_counter()
+        step = now - self._start
+        wall = step if self._last_end is None else now - self._last_end
+        self._pending = (wall, step, max(0.0, step - self._waiting), int(samples))
+        self._last_end = now
+
+    def break_continuity(self) -> None:
+        """The next step's wall time would include more than the step (an epoch boundary, validation)."""
+        self._last_end = None
+        self._pending = None
+
+    def vector(self) -> list[float]:
+        """This rank's slots of the shared record of its last finished step (zeros elsewhere)."""
+        out = [0.0] * (len(FIELDS) * self.world_size)
+        if self._pending is not None:
+            for i, value in enumerate(self._pending):
+                out[i * self.world_size + self.rank] = float(value)
+            self._pending = None
+        return out
+
+    @property
+    def size(self) -> int:
+        """Length of :meth:`vector`."""
+        return len(FIELDS) * self.world_size
+
+
+def format_report(report: dict) -> str:
+    """The per-device breakdown of an epoch as a small table."""
+    lines = [f"multigpu: where the time went in epoch {report['epoch'] + 1}:",
+             f"  {'device':<12}{'share':>7}{'data':>7}{'compute':>9}{'waiting':>9}{'samples/s':>11}"]
+    for row in report["devices"]:
+        total = row["data"] + row["compute"] + row["wait"] or 1.0
+        lines.append(
+            f"  {row['device']:<12}{row['share']:>7.0%}{row['data'] / total:>7.0%}"
+            f"{row['compute'] / total:>9.0%}{row['wait'] / total:>9.0%}{row['samples_per_second']:>11.1f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Benchmark runs: each configuration in fresh processes, one after another.
+
+Kinds of run (``mode``):
+
+* ``multigpu``: the model through :func:`multigpu.parallelize` on the chosen
+  devices and shares;
+* ``solo``: one device alone at its share of the batch (for balance
+  efficiency: total samples/s over the sum of every device's solo samples/s);
+* ``single``: plain Keras ``model.fit`` without multigpu, on one device;
+* ``ddp``: PyTorch DDP driving the same Keras model with equal shares and its
+  own training loop, as Keras's guide for the torch backend does;
+* ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP and metrics
+  summed over ranks, equal shares: what Keras's next release does by itself;
+* ``calibrate``: one device alone at growing batch sizes.
+
+Every run reports steady-state samples/s (the first ``warmup`` steps are not
+timed).  The per-rank program is :mod:`multigpu.bench.worker`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["MODES", "run_config", "solo_devices_config"]
+
+MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "calibrate")
+
+
+def _pinned(cores):
+    def pre():
+        from multigpu.runtime.processes import die_with_parent
+
+        if cores:
+            os.sched_setaffinity(0, cores)
+        die_with_parent()
+    return pre
+
+
+def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict:
+    """Runs one configuration in fresh processes and returns rank 0's result.
+
+    Args:
+        config: ``mode``, ``model``, ``width``, ``devices`` (specs), ``batch``,
+            ``ratios``, ``steps``, ``warmup``, ``print_every``.
+        timeout: seconds before the run is stopped and reported as failed.
+        stream: let rank 0 print its progress lines.
+
+    Raises:
+        RuntimeError: when a rank fails or the run takes longer than ``timeout``.
+    """
+    from multigpu.devices import assign_cores, parse_devices
+    from multigpu.runtime.supervisor import Supervisor
+
+    if config["mode"] not in MODES:
+        raise ValueError(f"unknown benchmark mode {config['mode']!r}; allowed: {', '.join(MODES)}")
+    with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cfg = dict(config, out=str(out))
+        devices = assign_cores(parse_devices(config["devices"]), warn=False)
+        command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
+                   str(Path(tmp) / "config.json")]
+        env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
+                   PYTHONWARNINGS="ignore")
+        stdout = None if stream else subprocess.DEVNULL
+        alone = config["mode"] in ("single", "solo", "calibrate")
+        if alone:
+            cfg["cores"] = list(config.get("cores") or devices[0].cores)
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        if alone:
+            proc = subprocess.Popen(command, env=env, preexec_fn=_pinned(cfg["cores"]), stdout=stdout)
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"benchmark run timed out after {timeout:.0f} s: {config}") from None
+            if code != 0:
+                raise RuntimeError(f"benchmark run failed with exit code {code}: {config}")
+        else:
+            ratios = config.get("ratios")
+            text = None if ratios is None else (ratios if isinstance(ratios, str) else ",".join(map(str, ratios)))
+            group = Supervisor(command, devices, 120.0, ratios=text, env_extra={"PYTHONWARNINGS": "ignore"},
+                               stdout=stdout)
+            group.start()
+            deadline = time.monotonic() + timeout
+            try:
+                while True:
+                    failure = group.failure()
+                    if failure is not None:
+                        raise RuntimeError(f"benchmark run failed: {group.describe_failure(*failure)}")
+                    if all(p.poll() == 0 for p in group.procs):
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"benchmark run timed out after {timeout:.0f} s: {config}")
+                    time.sleep(0.05)
+            finally:
+                group.stop(grace=3.0)
+        return json.loads(out.read_text())
+
+
+def solo_devices_config(config: dict, shares: list[int]) -> list[dict]:
+    """One ``solo`` configuration per device, each at its share of the batch, on that device's cores."""
+    from multigpu.devices import assign_cores, parse_devices
+
+    devices = assign_cores(parse_devices(config["devices"]), warn=False)
+    out = []
+    for dev, share in zip(devices, shares):
+        spec = dev.spec if dev.is_cuda else "cpu:0" + (f"@{dev.speed:g}" if dev.speed != 1.0 else "")
+        out.append(dict(config, mode="solo", devices=[spec], batch=max(1, share), ratios=None,
+                        cores=list(dev.cores), label=dev.label))
+    return out

@@ -1,0 +1,131 @@
+"""Every Keras internal multigpu uses, in one place, checked against the installed Keras.
+
+Public Keras APIs are used wherever they exist (``keras.utils.unpack_x_y_sample_weight``,
+``model.compute_loss``, ``model.metrics``, ``model.compute_metrics``); what has
+no public equivalent is reached only through the functions below.  Each one
+names the internal it needs; :func:`check` verifies all of them at
+``parallelize`` time and fails with the Keras version when one is missing, so
+a Keras release that moves an internal gives a clear error instead of a wrong
+result.  Tested with Keras 3.10 to 3.15.
+"""
+
+from __future__ import annotations
+
+import keras
+
+__all__ = [
+    "TESTED",
+    "DataAdapter",
+    "call_has_training_arg",
+    "check",
+    "class_weight_to_sample_weights",
+    "compile_metrics",
+    "compute_loss",
+    "flatten_layers",
+    "loss_tracker",
+    "optimizer_variables",
+    "seed_variables",
+    "silence_backup_saving",
+]
+
+TESTED = ((3, 10), (3, 16))  # [first, last) minor versions the suite ran with
+
+try:  # the base class Keras accepts as input as-is (get_data_adapter returns it unchanged)
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+except ImportError as exc:  # pragma: no cover - depends on the Keras release
+    DataAdapter = None  # type: ignore[assignment,misc]
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
+
+
+def _version() -> tuple[int, int]:
+    parts = keras.__version__.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def check() -> None:
+    """Fails clearly when this Keras lacks an internal multigpu needs.
+
+    Raises:
+        RuntimeError: naming the Keras version and the missing piece.
+    """
+    missing = []
+    if _IMPORT_ERROR is not None:
+        missing.append(f"keras.src.trainers.data_adapters.data_adapter.DataAdapter ({_IMPORT_ERROR})")
+    model_attrs = ("_compute_loss", "_flatten_layers", "compute_metrics", "get_metrics_result", "train_step")
+    missing += [f"Model.{a}" for a in model_attrs if not hasattr(keras.Model, a)]
+    optimizer_attrs = ("apply", "_trainable_variables")
+    missing += [f"Optimizer.{a}" for a in optimizer_attrs[:1] if not hasattr(keras.optimizers.Optimizer, a)]
+    if not hasattr(keras.callbacks.BackupAndRestore, "_save_model"):
+        missing.append("BackupAndRestore._save_model")
+    if missing:
+        raise RuntimeError(
+            f"multigpu needs Keras internals that Keras {keras.__version__} does not have: {', '.join(missing)}. "
+            f"multigpu is tested with Keras {TESTED[0][0]}.{TESTED[0][1]} to {TESTED[1][0]}.{TESTED[1][1] - 1}; "
+            "install one of those (pip install 'keras>=3.10,<3.16')."
+        )
+    if not TESTED[0] <= _version() < TESTED[1]:
+        import warnings
+
+        warnings.warn(f"multigpu is tested with Keras 3.10 to 3.15; this is Keras {keras.__version__}.",
+                      stacklevel=3)
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training: bool = True):
+    """``model.compute_loss`` (respecting overrides), as Keras's own steps call it.
+
+    ``Model._compute_loss`` passes ``training`` only to overrides that take it
+    (the argument came in Keras 3.3).
+    """
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def loss_tracker(model):
+    """The ``Mean`` metric behind the ``loss`` log (``Trainer._loss_tracker``), or None."""
+    return getattr(model, "_loss_tracker", None)
+
+
+def compile_metrics(model):
+    """The metrics given to ``compile`` (``Trainer._compile_metrics``), or None."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether ``model.call`` takes ``training`` (``Layer._call_has_training_arg``)."""
+    return bool(getattr(model, "_call_has_training_arg", True))
+
+
+def flatten_layers(model) -> list:
+    """Every layer nested in ``model`` (``Layer._flatten_layers``)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def optimizer_variables(optimizer) -> list:
+    """The variables an optimizer was built with (``Optimizer._trainable_variables``)."""
+    return list(optimizer._trainable_variables)
+
+
+def seed_variables(model) -> list:
+    """The random-seed state variables of ``model``'s layers (Dropout and friends)."""
+    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+
+
+def silence_backup_saving(callback) -> None:
+    """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``)."""
+    object.__setattr__(callback, "_save_model", lambda *args, **kwargs: None)
+    callback.delete_checkpoint = False
+
+
+def class_weight_to_sample_weights(y, class_weight: dict):
+    """Per-row weights from ``class_weight``, as Keras computes them (sparse or one-hot ``y``)."""
+    import numpy as np
+
+    y_numpy = keras.ops.convert_to_numpy(y)
+    weights = np.ones((y_numpy.shape[0],), dtype=keras.backend.floatx())
+    if y_numpy.ndim > 1:
+        y_numpy = np.argmax(y_numpy, axis=-1) if y_numpy.shape[-1] != 1 else np.squeeze(y_numpy, axis=-1)
+    labels = np.round(y_numpy).astype("int64")
+    for i, label in enumerate(labels):
+        weights[i] = class_weight.get(int(label), 1.0)
+    return weights

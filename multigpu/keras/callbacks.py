@@ -1,0 +1,52 @@
+"""Callbacks on a parallel model: which run where, and the run's own epoch hooks.
+
+Every rank runs Keras's loop with the same global logs, so most callbacks
+take the same decisions everywhere (``EarlyStopping``, ``ReduceLROnPlateau``,
+``LearningRateScheduler``, ``ModelCheckpoint``, whose saving writes once).
+Writers run on rank 0 only (``CSVLogger``, ``TensorBoard``);
+``BackupAndRestore`` restores on every rank and writes on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from multigpu.keras import _compat
+
+__all__ = ["EpochHooks", "for_rank"]
+
+
+def for_rank(callbacks, rank: int) -> list:
+    """The user's callbacks as rank ``rank`` runs them."""
+    out = []
+    for cb in list(callbacks or []):
+        if rank != 0 and isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
+            continue
+        if rank != 0 and isinstance(cb, keras.callbacks.BackupAndRestore):
+            _compat.silence_backup_saving(cb)
+        out.append(cb)
+    return out
+
+
+class EpochHooks(keras.callbacks.Callback):
+    """multigpu's own work at epoch boundaries; runs before the user's callbacks.
+
+    At the beginning: the epoch's row order (the same on every rank), and a
+    break in step timing (the gap holds validation and callbacks).  At the
+    end: BatchNorm statistics made equal on every rank (so that checkpoints
+    and validation see the same model everywhere) and the balancer's epoch
+    report.
+    """
+
+    def __init__(self, parallel, data) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.data = data
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.data.set_epoch(epoch)
+        self.parallel.timing.break_continuity()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.parallel.steps.sync_batchnorm_statistics()
+        self.parallel.balancer.end_epoch(epoch)

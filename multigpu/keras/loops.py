@@ -1,0 +1,188 @@
+"""``fit``, ``evaluate``, ``predict`` and the ``*_on_batch`` methods of a parallel model.
+
+Each one cuts the user's data into this rank's shares (:mod:`multigpu.keras.data`)
+and hands them to Keras's own method, so Keras's loop, callbacks, History and
+progress bar run unchanged, once per global batch on every rank.  ``batch_size``
+is the global batch.  ``predict`` and ``predict_on_batch`` gather every rank's
+rows afterwards, so every rank returns all rows in their original order.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from multigpu.keras import _compat
+from multigpu.keras.callbacks import EpochHooks, for_rank
+from multigpu.keras.data import ShardedData, input_kind, num_rows, source_for, validation_split
+
+__all__ = ["Loops"]
+
+
+def _check_batch_size(batch_size, world_size: int, rank: int, what: str) -> int:
+    if batch_size is None:
+        batch_size = 32
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"{what}: `batch_size` must be a positive integer (the global batch, split across "
+                         f"devices). Received: batch_size={batch_size!r}")
+    if batch_size < world_size and rank == 0:
+        from multigpu._warn import warn_user
+
+        warn_user(f"{what}: the global batch of {batch_size} is smaller than the {world_size} devices, so some "
+                  "devices get no samples in each step and sit idle.")
+    return int(batch_size)
+
+
+def _with_class_weight(y, sample_weight, class_weight, what: str):
+    if class_weight is None:
+        return sample_weight
+    if sample_weight is not None:
+        raise ValueError(f"{what}: `sample_weight` and `class_weight` cannot both be given. Received: "
+                         f"sample_weight of type {type(sample_weight).__name__}, class_weight={class_weight!r}")
+    if y is None:
+        raise ValueError(f"{what}: `class_weight` needs targets `y`. Received: y=None")
+    return _compat.class_weight_to_sample_weights(y, class_weight)
+
+
+class Loops:
+    """The loops of one parallel model.
+
+    Args:
+        parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
+    """
+
+    def __init__(self, parallel) -> None:
+        self.parallel = parallel
+        self.rank = parallel.runtime.rank
+        self.world_size = parallel.runtime.world_size
+        self.keras = parallel.keras
+
+    def methods(self) -> dict:
+        return {"fit": self.fit, "evaluate": self.evaluate, "predict": self.predict,
+                "train_on_batch": self.train_on_batch, "test_on_batch": self.test_on_batch,
+                "predict_on_batch": self.predict_on_batch}
+
+    def _verbose(self, verbose):
+        return verbose if self.rank == 0 else 0
+
+    def _data(self, x, y, sample_weight, batch_size, shuffle, seed, what: str, training: bool) -> ShardedData:
+        p = self.parallel
+        if input_kind(x) == "arrays":
+            batch_size = _check_batch_size(batch_size, self.world_size, self.rank, what)
+            rows = num_rows(x, y, sample_weight)
+            if training:
+                p.balancer.shares(batch_size)  # a batch that no device cap allows fails here, on every rank
+            p.comm.check_same(rows, f"{what}: the numbers of rows")
+        source = source_for(x, y, sample_weight, batch_size, shuffle, seed, what, self.rank)
+        if input_kind(x) == "pydataset":
+            p.comm.check_same(source.num_batches or -1, f"{what}: the numbers of batches")
+        return ShardedData(source, p.balancer.planner, training=training)
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
+            validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
+            steps_per_epoch=None, validation_steps=None, validation_batch_size=None, validation_freq=1):
+        """Keras ``fit``; ``batch_size`` is the global batch, split by the current shares."""
+        p = self.parallel
+        seed = p.comm.shared_seed()
+        if input_kind(x) == "arrays":
+            num_rows(x, y, sample_weight)  # inputs and targets of one length, checked on every rank
+            sample_weight = _with_class_weight(y, sample_weight, class_weight, "fit")
+            class_weight = None
+            if validation_split and validation_data is None:
+                (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
+        elif validation_split:
+            raise ValueError("`validation_split` needs arrays (as in Keras); pass `validation_data` for datasets. "
+                             f"Received: x of type {type(x).__name__}")
+        elif class_weight is not None:
+            raise ValueError("multigpu: `class_weight` needs arrays; for datasets, yield sample weights instead. "
+                             f"Received: x of type {type(x).__name__}")
+        train = self._data(x, y, sample_weight, batch_size, shuffle, seed, "fit", training=True)
+        val = None
+        if validation_data is not None:
+            if isinstance(validation_data, (tuple, list)):
+                vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+            else:
+                vx, vy, vsw = validation_data, None, None
+            val = self._data(vx, vy, vsw, validation_batch_size or batch_size, False, seed, "validation",
+                             training=False)
+        p.balancer.begin_fit(train.batch_size, p.signature)
+        p.steps_per_epoch = steps_per_epoch or train.num_batches
+        p.timing.break_continuity()
+        return self.keras["fit"](
+            train, epochs=epochs, verbose=self._verbose(verbose),
+            callbacks=[EpochHooks(p, train), *for_rank(callbacks, self.rank)], validation_data=val,
+            shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps, validation_freq=validation_freq,
+        )
+
+    # ------------------------------------------------------------- evaluate
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
+                 callbacks=None, return_dict=False, **kwargs):
+        """Keras ``evaluate`` on this rank's shares; returns the global loss and metrics on every rank."""
+        p = self.parallel
+        p.steps.sync_batchnorm_statistics()
+        if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: x is already cut
+            return self.keras["evaluate"](x, y, batch_size=batch_size, verbose=self._verbose(verbose),
+                                          sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                          return_dict=return_dict, **kwargs)
+        data = self._data(x, y, sample_weight, batch_size, False, 0, "evaluate", training=False)
+        return self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
+                                      callbacks=for_rank(callbacks, self.rank), return_dict=return_dict, **kwargs)
+
+    # -------------------------------------------------------------- predict
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Keras ``predict`` on this rank's shares; every rank returns all rows in their order."""
+        p = self.parallel
+        p.steps.sync_batchnorm_statistics()
+        data = self._data(x, None, None, batch_size, False, 0, "predict", training=False)
+        out = self.keras["predict"](data, verbose=self._verbose(verbose), steps=steps,
+                                    callbacks=for_rank(callbacks, self.rank))
+        return self._gather([plan.sizes for plan in data.plans], out)
+
+    def _gather(self, sizes: list[tuple[int, ...]], out):
+        """Every rank's rows, in their global order (step by step, rank by rank)."""
+        parts = self.parallel.comm.gather_objects(out, "gathering predictions")
+        offsets = [0] * self.world_size
+        starts = [0]
+        for r in range(self.world_size - 1):
+            starts.append(starts[-1] + sum(s[r] for s in sizes))
+        order = []
+        for step in sizes:
+            for r, n in enumerate(step):
+                begin = starts[r] + offsets[r]
+                order.extend(range(begin, begin + n))
+                offsets[r] += n
+        index = np.asarray(order, dtype=np.int64)
+        return keras.tree.map_structure(lambda *leaves: np.concatenate(leaves)[index], *parts)
+
+    # ------------------------------------------------------------- on_batch
+    def _cut(self, batch: tuple, training: bool):
+        rows = num_rows(*[b for b in batch if b is not None][:1])
+        plan = self.parallel.balancer.planner.plan(rows, for_step=training)
+        begin, end = plan.rows(self.rank)
+        local = tuple(None if b is None else keras.tree.map_structure(lambda a: a[begin:end], b) for b in batch)
+        return local, plan
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """One step on a global batch that every rank holds; returns the global logs."""
+        sample_weight = _with_class_weight(y, sample_weight, class_weight, "train_on_batch")
+        (lx, ly, lsw), _ = self._cut((x, y, sample_weight), training=True)
+        self.parallel.timing.break_continuity()
+        return self.keras["train_on_batch"](lx, ly, sample_weight=lsw, return_dict=return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """Evaluates a global batch that every rank holds; returns the global loss and metrics."""
+        (lx, ly, lsw), _ = self._cut((x, y, sample_weight), training=False)
+        return self.keras["test_on_batch"](lx, ly, sample_weight=lsw, return_dict=return_dict)
+
+    def predict_on_batch(self, x):
+        """Predicts a global batch that every rank holds; every rank returns all rows."""
+        (lx,), plan = self._cut((x,), training=False)
+        out = self.keras["predict_on_batch"](lx)
+        return self._gather([plan.sizes], out)
+
+
+def _split(x, y, sample_weight, fraction):
+    (tx, ty, tsw), (vx, vy, vsw) = validation_split((x, y, sample_weight), fraction)
+    return (tx, ty, tsw), (vx, vy, vsw)

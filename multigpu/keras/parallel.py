@@ -1,0 +1,168 @@
+"""One parallel model: the parts multigpu keeps for it, and how they reach the model.
+
+:class:`ParallelModel` holds the run's collectives, the model's load balancer
+(the one owner of its shares), its step timing, its steps (from the backend
+module) and its loops, and gives the model instance the methods that use them
+(``fit``, ``evaluate``, ``predict``, the ``*_on_batch`` methods, the steps,
+``get_metrics_result``, ``reset_metrics``, ``save``, ``save_weights``,
+``summary``).  The class is untouched, so the model stays the user's model: a
+saved file is a plain Keras file.  On one device nothing is set at all.
+
+:func:`state` is the public way to read a model's run: devices, current
+shares, measured speeds, the last per-device report.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from multigpu import backend
+from multigpu.balancing.balancer import LoadBalancer
+from multigpu.balancing.profiles import model_signature
+from multigpu.balancing.timing import StepTiming
+from multigpu.keras.loops import Loops
+from multigpu.keras.saving import atomic_save
+from multigpu.planning.shares import capped_split
+
+__all__ = ["ParallelModel", "State", "register_single", "state"]
+
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch", "save",
+                  "save_weights", "summary")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Choices of ``parallelize`` that are not about shares."""
+
+    sync_batchnorm: bool = False
+    compression: str | None = None
+
+
+@dataclass(frozen=True)
+class State:
+    """What a parallel model's run looks like now (read with :func:`multigpu.state`).
+
+    Attributes:
+        rank: this process's rank.
+        world_size: the number of devices.
+        devices: every rank's device.
+        ratios: the current shares, as fractions of the global batch.
+        speeds: the last measured samples/s of each device (compute only), if any.
+        last_report: the last epoch's per-device breakdown (``report=True`` prints it), if any.
+        transport: how gradients are summed: ``"shm"``, ``"gloo"``, ``"nccl"`` or ``"none"`` (one device).
+        caps: the per-device largest local batch, if given.
+    """
+
+    rank: int
+    world_size: int
+    devices: list
+    ratios: list[float]
+    speeds: list[float] | None = None
+    last_report: dict | None = None
+    transport: str = "none"
+    caps: list[int | None] | None = field(default=None)
+
+    def shares(self, batch_size: int) -> list[int]:
+        """Rows per device of a global batch of ``batch_size`` rows."""
+        return capped_split(batch_size, self.ratios, self.caps)
+
+    def describe(self) -> str:
+        """One line naming the devices and their current shares."""
+        parts = [f"{d.label} {r:.0%}" for d, r in zip(self.devices, self.ratios)]
+        return f"multigpu: {self.world_size} device(s): " + ", ".join(parts)
+
+
+class ParallelModel:
+    """The parts of one parallel model (see the module docstring).
+
+    Args:
+        model: the user's Keras model.
+        runtime: the run.
+        comm: the run's collectives.
+        balancer: the model's load balancer.
+        options: the other choices of ``parallelize``.
+    """
+
+    def __init__(self, model, runtime, comm, balancer: LoadBalancer, options: Options) -> None:
+        self.model = model
+        self.runtime = runtime
+        self.comm = comm
+        self.balancer = balancer
+        self.options = options
+        self.steps_per_epoch: int | None = None
+        self.timing = StepTiming(runtime.rank, runtime.world_size)
+        cls = type(model)
+        self.keras = {name: getattr(cls, name).__get__(model, cls) for name in _KERAS_METHODS}
+        self.steps = backend.get().Steps(self)
+        self.loops = Loops(self)
+
+    def signature(self) -> str:
+        """The model's profile signature."""
+        return model_signature(self.model)
+
+    def install(self) -> None:
+        """Gives the model instance its parallel methods (its class is untouched)."""
+        rank = self.runtime.rank
+        methods = {
+            **self.steps.methods(), **self.loops.methods(),
+            "save": lambda filepath, overwrite=True, **kw: atomic_save(self.keras["save"], filepath, rank,
+                                                                       overwrite, **kw),
+            "save_weights": lambda filepath, overwrite=True, **kw: atomic_save(self.keras["save_weights"], filepath,
+                                                                               rank, overwrite, **kw),
+            "summary": self.summary,
+        }
+        for name, method in methods.items():
+            object.__setattr__(self.model, name, method)
+        _MODELS[self.model] = self
+
+    def summary(self, *args, **kwargs):
+        """The model's own summary (rank 0 only) and one line with the devices and current shares."""
+        if self.runtime.rank != 0:
+            return None
+        result = self.keras["summary"](*args, **kwargs)
+        (kwargs.get("print_fn") or print)(self.balancer.describe())
+        return result
+
+    def state(self) -> State:
+        b = self.balancer
+        total = sum(b.ratios)
+        transport = self.comm.transport
+        if transport == "gloo" and all(d.is_cuda for d in self.runtime.devices):
+            transport = "nccl"
+        return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
+                     [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps)
+
+
+def register_single(model, runtime) -> None:
+    """Remembers a model parallelized on one device (nothing of it is changed)."""
+    _MODELS[model] = State(0, 1, list(runtime.devices), [1.0])
+
+
+def is_parallel(model) -> bool:
+    """True when ``parallelize`` was called on ``model``."""
+    try:
+        return model in _MODELS
+    except TypeError:  # pragma: no cover - unhashable
+        return False
+
+
+def state(model) -> State:
+    """The run of a parallelized model: devices, current shares, speeds, last report.
+
+    Args:
+        model: a model returned by ``multigpu.parallelize``.
+
+    Returns:
+        A :class:`State` snapshot.
+
+    Raises:
+        ValueError: when ``model`` was not parallelized.
+    """
+    entry = _MODELS.get(model) if is_parallel(model) else None
+    if entry is None:
+        raise ValueError("multigpu.state() takes a model returned by multigpu.parallelize(). "
+                         f"Received: a {type(model).__name__} that was not parallelized")
+    return entry if isinstance(entry, State) else entry.state()
+

@@ -1,0 +1,127 @@
+"""Rank processes: their environment, their tie to the parent, how they are stopped, how they report.
+
+Imports neither torch nor Keras.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from multigpu import env
+
+__all__ = [
+    "die_with_parent",
+    "free_port",
+    "loopback_listener",
+    "rank_environment",
+    "read_failure",
+    "stop_processes",
+    "write_failure",
+]
+
+
+def die_with_parent() -> None:
+    """Asks Linux to send SIGTERM to this process when its parent exits."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        pass
+
+
+def loopback_listener() -> socket.socket:
+    """A socket listening on 127.0.0.1 on a free port (for the store)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_environment(rank: int, devices: Sequence, port: int, timeout: float, run_dir: str,
+                     ratios: str | None = None) -> dict[str, str]:
+    """The environment variables that tell a started process who it is.
+
+    Args:
+        rank: the process's rank.
+        devices: every rank's device.
+        port: the store's port on 127.0.0.1.
+        timeout: seconds a collective may wait.
+        run_dir: the folder for failure reports.
+        ratios: ratios given on the command line (``multigpu run --ratios``), if any.
+    """
+    variables = {
+        env.RANK: str(rank),
+        env.WORLD_SIZE: str(len(devices)),
+        env.MASTER_ADDR: "127.0.0.1",
+        env.MASTER_PORT: str(port),
+        env.DEVICES: ",".join(d.spec for d in devices),
+        env.SUPERVISOR_PID: str(os.getpid()),
+        env.RUN_DIR: run_dir,
+        env.TIMEOUT: f"{timeout:g}",
+        "KERAS_BACKEND": os.environ.get("KERAS_BACKEND") or "torch",
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    }
+    if ratios is not None:
+        variables[env.RATIOS] = ratios
+    dev = devices[rank]
+    if not dev.is_cuda:
+        variables["OMP_NUM_THREADS"] = str(max(1, len(dev.cores)))
+    return variables
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to every process still running, SIGKILL to those alive after ``grace`` s."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            p.terminate()
+        except OSError:  # pragma: no cover - already gone
+            pass
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _report_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.failure"
+
+
+def write_failure(rank: int, reason: str) -> None:
+    """Tells the supervisor why this rank fails (a file in the run's folder; no-op outside a run)."""
+    run_dir = os.environ.get(env.RUN_DIR)
+    if not run_dir:
+        return
+    path = _report_path(run_dir, rank)
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(reason)
+        os.replace(tmp, path)
+    except OSError:  # pragma: no cover - the folder is gone: the supervisor is too
+        pass
+
+
+def read_failure(run_dir: str | os.PathLike, rank: int) -> str | None:
+    """The reason rank ``rank`` gave for failing, or None."""
+    try:
+        return _report_path(run_dir, rank).read_text().strip() or None
+    except OSError:
+        return None

@@ -1,0 +1,191 @@
+"""The one process supervisor: starts a rank per device, watches them, ends the run.
+
+Used by a plain ``python train.py`` (the first ``parallelize`` call turns the
+user's process into the supervisor and runs the script again once per
+device), by ``multigpu run`` and by the benchmark workers.  The supervisor
+does not train; it
+
+* opens the run's rendezvous socket on 127.0.0.1 and a free port (rank 0
+  serves it; no other process can take the port in between), and a folder
+  where a failing rank writes why it fails;
+* starts every rank through :mod:`multigpu.runtime.rank_entry`, tied to the
+  supervisor (each dies with it);
+* when a rank fails (an exit code, a signal, or a written reason while it is
+  still alive, stuck in C++ code say), gives the others a moment to end on
+  their own, then stops them, and names the rank, its device and the reason;
+* on SIGINT/SIGTERM stops every rank;
+* restarts all ranks after a failure, ``max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from multigpu import env
+from multigpu.runtime.processes import (
+    die_with_parent,
+    loopback_listener,
+    rank_environment,
+    read_failure,
+    stop_processes,
+)
+
+__all__ = ["Supervisor"]
+
+POLL = 0.05
+GRACE = 2.0  # seconds the other ranks get to end on their own after a failure
+
+
+def _describe_code(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Starts ``command`` once per device with the rank variables set.
+
+    Args:
+        command: the command line of every rank (usually ``python -m
+            multigpu.runtime.rank_entry ...``).
+        devices: one device per rank, cores assigned.
+        timeout: seconds a collective may wait.
+        ratios: ratios given on the command line, passed on to the ranks.
+        env_extra: more environment variables for every rank.
+        stdout: the ranks' standard output (default: inherited).
+    """
+
+    def __init__(self, command: list[str], devices: Sequence, timeout: float, *, ratios: str | None = None,
+                 env_extra: dict[str, str] | None = None, stdout=None) -> None:
+        self.command = list(command)
+        self.devices = list(devices)
+        self.timeout = float(timeout)
+        self.ratios = ratios
+        self.env_extra = dict(env_extra or {})
+        self.stdout = stdout
+        self.procs: list[subprocess.Popen] = []
+        self.run_dir: str | None = None
+        self._reported_at: dict[int, float] = {}
+
+    # ------------------------------------------------------------ one attempt
+    def start(self) -> None:
+        """Starts every rank."""
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.run_dir = tempfile.mkdtemp(prefix="multigpu-run-")
+        listener = loopback_listener()
+        port = listener.getsockname()[1]
+        self.procs = []
+        self._reported_at = {}
+        try:
+            for r in range(len(self.devices)):
+                child_env = dict(os.environ)
+                child_env.update(rank_environment(r, self.devices, port, self.timeout, self.run_dir, self.ratios))
+                child_env.update(self.env_extra)
+                fds: tuple[int, ...] = ()
+                if r == 0:  # rank 0 serves the rendezvous on the socket opened here
+                    child_env[env.STORE_FD] = str(listener.fileno())
+                    fds = (listener.fileno(),)
+                self.procs.append(subprocess.Popen(self.command, env=child_env, preexec_fn=die_with_parent,
+                                                   stdout=self.stdout, pass_fds=fds))
+        finally:
+            listener.close()
+
+    def failure(self) -> tuple[int, int] | None:
+        """``(code, rank)`` of the rank that caused a failure, or None while none has failed.
+
+        A rank killed by a signal is named first, then the first that said
+        why it failed, then the lowest rank: ranks that ended in the same
+        moment most likely lost a peer.
+        """
+        now = time.monotonic()
+        failed = []
+        for r, p in enumerate(self.procs):
+            code = p.poll()
+            if code not in (None, 0):
+                failed.append((0 if code < 0 else 2, self._reported_at.get(r, now), r, code))
+            elif code is None and self.run_dir and r not in self._reported_at and read_failure(self.run_dir, r):
+                self._reported_at[r] = now
+            if code is None and r in self._reported_at and now - self._reported_at[r] > GRACE:
+                failed.append((1, self._reported_at[r], r, 1))  # said it failed, but did not end: stuck
+        if not failed:
+            return None
+        _, _, r, code = min(failed)
+        return code, r
+
+    def wait(self) -> tuple[int, int | None]:
+        """Waits until every rank succeeded or one failed; returns ``(code, failed rank or None)``."""
+        while True:
+            failure = self.failure()
+            if failure is not None:
+                return failure
+            if all(p.poll() == 0 for p in self.procs):
+                return 0, None
+            time.sleep(POLL)
+
+    def describe_failure(self, code: int, rank: int) -> str:
+        """``rank 1 (CPU:1) exited with code 1: <the reason the rank gave>``."""
+        proc = self.procs[rank] if rank < len(self.procs) else None
+        alive = proc is not None and proc.poll() is None
+        how = "failed and did not end; stopped it" if alive else _describe_code(code)
+        text = f"rank {rank} ({self.devices[rank].label}) {how}"
+        reason = read_failure(self.run_dir, rank) if self.run_dir else None
+        return f"{text}: {reason.splitlines()[0]}" if reason else text
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Lets the ranks end on their own for ``GRACE`` s, then SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + GRACE
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(POLL)
+        stop_processes(self.procs, grace)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        from multigpu.throttle import remove_group_of
+
+        for p in self.procs:
+            remove_group_of(p.pid)
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
+
+    # ------------------------------------------------------------- the run
+    def run(self, max_restarts: int = 0, prefix: str = "multigpu") -> int:
+        """Runs the ranks (again after a failure, up to ``max_restarts`` times); returns the exit code.
+
+        SIGINT and SIGTERM stop every rank; the exit code is then 128 + the signal.
+        """
+        def on_signal(signum, frame):
+            stop_processes(self.procs, 2.0)
+            self._cleanup()
+            sys.stdout.flush()
+            os._exit(128 + signum)
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = 1
+            for attempt in range(max_restarts + 1):
+                self.start()
+                code, failed = self.wait()
+                if failed is None:
+                    self._cleanup()
+                    return 0
+                print(f"{prefix}: {self.describe_failure(code, failed)}; stopping the other ranks.",
+                      file=sys.stderr, flush=True)
+                self.stop()
+                if attempt < max_restarts:
+                    print(f"{prefix}: restarting all ranks ({attempt + 1} of {max_restarts}).",
+                          file=sys.stderr, flush=True)
+            return code if code > 0 else 1
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)

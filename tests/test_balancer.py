@@ -1,0 +1,133 @@
+"""The load balancer in one process: the one owner of the shares, fed shared step records."""
+
+import json
+
+import pytest
+
+from multigpu.balancing import BalanceOptions, LoadBalancer, StepRecord, StepTiming
+from multigpu.balancing.profiles import ProfileError, read_profile, write_profile
+from multigpu.devices import Device
+from multigpu.planning import parse_ratios
+
+DEVICES = [Device("cpu", 0, 1.0, (0,)), Device("cpu", 1, 0.5, (1,))]
+
+
+def make(spec="auto", rebalance=True, profile=None, **kw):
+    lines = []
+    options = BalanceOptions(parse_ratios(spec), auto=spec in ("auto", None), rebalance=rebalance,
+                             profile=None if profile is None else str(profile), **kw)
+    return LoadBalancer(DEVICES, 0, options, lines.append), lines
+
+
+def feed(balancer, speeds, steps, batch=128, overhead=0.0):
+    """Steps at the balancer's current shares on devices of the given true speeds."""
+    for _ in range(steps):
+        shares = balancer.shares(batch)
+        times = [b / s for b, s in zip(shares, speeds)]
+        step = max(times) + overhead
+        balancer.record(StepRecord((step, step), (step, step), tuple(times), tuple(shares)))
+
+
+def test_fixed_ratios_are_the_shares_and_nothing_moves_them():
+    b, lines = make("3,1", rebalance=False)
+    assert b.shares(256) == [192, 64] and b.calibrated
+    b.begin_fit(256, lambda: "sig")
+    feed(b, (100, 100), 50)
+    assert b.shares(256) == [192, 64] and not lines
+    assert b.describe() == "multigpu: 2 device(s): CPU:0 75%, CPU:1@0.5 25%"
+
+
+def test_calibration_sets_shares_from_solo_speeds_and_writes_the_profile(tmp_path):
+    profile = tmp_path / "p.json"
+    b, lines = make(profile=profile)
+    b.begin_fit(128, lambda: "sig")
+    assert not b.calibrated
+    b.calibrate(lambda: (300.0, 0.5), lambda v: [v[0], 150.0, v[2], 0.7], steps_per_epoch=100)
+    assert b.shares(128) == [85, 43]
+    assert lines[0].startswith("calibrated in 0.7 s (") and "CPU:0 300 samples/s, CPU:1@0.5 150 samples/s" in lines[0]
+    assert lines[0].endswith("-> shares 67%/33%")
+    b.end_epoch(0)
+    entry = read_profile(profile, None)
+    assert entry["devices"] == ["cpu:0", "cpu:1@0.5"] and entry["speeds"] == [300.0, 150.0]
+    # The next run starts from the profile: no calibration.
+    again, lines = make(profile=profile)
+    again.begin_fit(128, lambda: "sig")
+    assert again.calibrated and again.shares(128) == [85, 43]
+    assert lines == [f"shares 67%/33% from the profile {profile}"]
+
+
+def test_a_broken_profile_warns_and_falls_back_to_calibrating(tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text("{broken")
+    b, _ = make(profile=profile)
+    with pytest.warns(UserWarning, match="cannot use the profile .*not valid JSON.*calibrating instead"):
+        b.begin_fit(128, lambda: "sig")
+    assert not b.calibrated
+
+
+def test_records_move_the_shares_to_the_fastest_measured_and_log_each_move():
+    b, lines = make("1,1")
+    b.options.auto = True
+    b.begin_fit(128, lambda: "sig")
+    feed(b, (200, 100), 200)
+    assert abs(b.shares(128)[0] - 85) <= 3, b.shares(128)
+    kept = [line for line in lines if line.endswith(", kept")]
+    assert kept and all("samples/s against" in line for line in kept)
+    assert any(line.startswith("shares settled at") for line in lines)
+    report = b.end_epoch(0)
+    assert [row["device"] for row in report["devices"]] == ["CPU:0", "CPU:1@0.5"]
+    assert report["devices"][0]["samples"] + report["devices"][1]["samples"] == 128 * 200
+
+
+def test_ragged_steps_and_steps_at_old_shares_do_not_count():
+    b, _ = make("1,1")
+    b.begin_fit(128, lambda: "sig")
+    for _ in range(40):
+        b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (60, 61)))  # not this batch's shares
+    assert b.search.shares() == [64, 64] and b._window.steps == 0
+
+
+def test_it_says_once_when_the_devices_together_are_slower_than_the_fastest_alone():
+    b, lines = make()
+    b.begin_fit(64, lambda: "sig")
+    b.calibrate(lambda: (4000.0, 0.1), lambda v: [v[0], 2000.0, 0.1, 0.1], steps_per_epoch=10)
+    feed(b, (4000, 2000), 400, batch=64, overhead=0.02)  # a 20 ms per-step cost: slower than one device
+    said = [line for line in lines if "less than CPU:0 alone" in line]
+    assert len(said) == 1, lines
+    assert "at a global batch of 64 the 2 devices together run" in said[0]
+    assert "from a global batch of about" in said[0] and "they would pay" in said[0]
+
+
+def test_step_timing_reports_the_previous_step_in_its_slots():
+    t = StepTiming(rank=1, world_size=2)
+    assert t.vector() == [0.0] * 8
+    t.begin()
+    with t.waiting():
+        pass
+    t.end(samples=16)
+    vec = t.vector()
+    assert vec[1] > 0 and vec[0] == 0.0 and vec[7] == 16.0  # wall, step, compute, samples: rank 1's slots
+    assert t.vector() == [0.0] * 8  # sent once
+    rec = StepRecord.from_vector([0.2, 0.3, 0.2, 0.3, 0.1, 0.2, 48, 16], 2)
+    assert rec.samples == (48, 16) and rec.compute == (0.1, 0.2)
+    assert StepRecord.from_vector([0.0] * 8, 2) is None
+
+
+def test_profile_round_trip_and_bad_profiles(tmp_path):
+    path = tmp_path / "p.json"
+    entry = {"devices": ["cpu:0", "cpu:1@0.5"], "speeds": [400.0, 200.0], "ratios": [0.667, 0.333]}
+    write_profile(path, "abc@cpu:0,cpu:1@0.5", entry)
+    assert read_profile(path, "abc@cpu:0,cpu:1@0.5", ["cpu:0", "cpu:1@0.5"]) == entry
+    assert read_profile(path) == entry
+    with pytest.raises(ProfileError, match="measured on devices"):
+        read_profile(path, "abc@cpu:0,cpu:1@0.5", ["cpu:0", "cpu:1"])
+    with pytest.raises(ProfileError, match="no entry"):
+        read_profile(path, "other", None)
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        read_profile(path)
+    path.write_text(json.dumps({"version": 1, "entries": {"k": {"ratios": [-1, 2]}}}))
+    with pytest.raises(ProfileError, match="no valid ratios"):
+        read_profile(path)
+    with pytest.raises(ProfileError, match="no profile"):
+        read_profile(tmp_path / "missing.json")
