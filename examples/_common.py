@@ -115,8 +115,7 @@ def independent_env() -> dict[str, str]:
     Returns:
         A copy of ``os.environ`` for a process that starts a run of its own, on the torch backend.
     """
-    drop = {multigpu_env.RANK, multigpu_env.WORLD_SIZE, multigpu_env.MASTER_ADDR, multigpu_env.MASTER_PORT,
-            multigpu_env.DEVICES, multigpu_env.RATIOS, multigpu_env.LAUNCHER_PID,
+    drop = {*multigpu_env.RUN_VARS, multigpu_env.STORE_FD,
             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["KERAS_BACKEND"] = "torch"

@@ -1,13 +1,19 @@
-"""Keras completeness: each feature on 2 real processes against one plain process."""
+"""Keras completeness: each feature on 2 real processes against one plain process (one run of each)."""
 
 import csv
 import json
+import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.conftest import SCRIPTS
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+COMPARED = "two_output,sync_bn,inputs"
 
 
 def load(path):
@@ -19,22 +25,33 @@ def load(path):
     return out
 
 
-def run_pair(runner, mode, ratios="3,1", extra_env=None):
-    plain = runner.script("keras_features.py", mode, str(runner.tmp_path / "plain.npz"), "--plain")
-    assert plain.returncode == 0, plain.stdout
-    par = runner.script("keras_features.py", mode, str(runner.tmp_path / "par.npz"), "--ratios", ratios,
-                        extra_env=extra_env)
-    assert par.returncode == 0, par.stdout
-    return (load(runner.tmp_path / "plain.npz"), load(runner.tmp_path / "par.npz"),
-            load(runner.tmp_path / "par.npz.rank1.npz"), par.stdout)
-
-
 def rel(a, b):
     return float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12))
 
 
-def test_two_outputs_sample_weight_evaluate_and_predict_match_one_device(runner):
-    plain, r0, r1, _ = run_pair(runner, "two_output")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One plain process and one 2-device run (3:1) of every feature."""
+    folder = tmp_path_factory.mktemp("features")
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default",
+           "PYTHONUNBUFFERED": "1"}
+    plain = subprocess.run([sys.executable, str(SCRIPTS / "keras_features.py"), COMPARED, str(folder / "plain"),
+                            "--plain"], capture_output=True, text=True, timeout=200, env=env, cwd=folder)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    par = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
+                          str(SCRIPTS / "keras_features.py"), "all", str(folder / "par")],
+                         capture_output=True, text=True, timeout=200, env=env, cwd=folder)
+    assert par.returncode == 0, par.stdout + par.stderr
+    return folder, par.stdout + par.stderr
+
+
+def pair(folder, mode):
+    return (load(folder / f"plain-{mode}.npz"), load(folder / f"par-{mode}.npz"),
+            load(folder / f"par-{mode}.npz.rank1.npz"))
+
+
+def test_two_outputs_sample_weight_evaluate_and_predict_match_one_device(runs):
+    plain, r0, r1 = pair(runs[0], "two_output")
     assert rel(plain["weights"], r0["weights"]) < 1e-5
     for key in plain["history"]:
         np.testing.assert_allclose(r0["history"][key], plain["history"][key], rtol=1e-5)
@@ -44,28 +61,26 @@ def test_two_outputs_sample_weight_evaluate_and_predict_match_one_device(runner)
     for key in ("pred_reg", "pred_cls"):
         np.testing.assert_allclose(r0[key], plain[key], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(r0[key], r1[key])
-    assert runner.leftovers() == []
 
 
-def test_sync_batchnorm_reproduces_one_device(runner):
-    plain, r0, r1, _ = run_pair(runner, "sync_bn")
+def test_sync_batchnorm_reproduces_one_device(runs):
+    plain, r0, r1 = pair(runs[0], "sync_bn")
     assert rel(plain["weights"], r0["weights"]) < 1e-5
     np.testing.assert_allclose(r0["history"]["loss"], plain["history"]["loss"], rtol=1e-5)
     np.testing.assert_array_equal(r0["weights"], r1["weights"])
 
 
-def test_pydataset_generator_and_dataloader_are_cut_exactly(runner):
-    plain, r0, r1, out = run_pair(runner, "inputs", extra_env={"PYTHONWARNINGS": "default"})
+def test_pydataset_generator_and_dataloader_are_cut_exactly(runs):
+    plain, r0, r1 = pair(runs[0], "inputs")
     for kind in ("pydataset", "generator", "dataloader"):
         assert rel(plain[kind], r0[kind]) < 1e-5, kind
         np.testing.assert_array_equal(r0[kind], r1[kind])
-    assert "every rank iterates its own copy" in out
+    assert "every rank iterates its own copy" in runs[1]
 
 
-def test_callbacks_checkpoint_and_saved_model(runner):
-    par = runner.script("keras_features.py", "two_input", str(runner.tmp_path / "par.npz"))
-    assert par.returncode == 0, par.stdout
-    r0, r1 = load(runner.tmp_path / "par.npz"), load(runner.tmp_path / "par.npz.rank1.npz")
+def test_callbacks_checkpoint_and_saved_model(runs):
+    folder, out = runs
+    r0, r1 = load(folder / "par-two_input.npz"), load(folder / "par-two_input.npz.rank1.npz")
     # Every rank saw the same global logs, so EarlyStopping stopped both at
     # once and ReduceLROnPlateau / LearningRateScheduler set the same rates.
     assert r0["history"] == r1["history"]
@@ -74,26 +89,25 @@ def test_callbacks_checkpoint_and_saved_model(runner):
     # Dropout draws differently on each rank; BatchNorm statistics agree.
     assert not np.array_equal(r0["mask"], r1["mask"])
     np.testing.assert_array_equal(r0["weights_moving"], r1["weights_moving"])
-    # The summary is the user's model plus one line; printed once.
-    assert par.stdout.count("multigpu: 2 device(s): CPU:0 75%, CPU:1 25%") == 1
-    assert "batch_normalization" in par.stdout and "dropout" in par.stdout
+    # The summary is the user's model plus one line with the current shares; printed once.
+    assert out.count("multigpu: 2 device(s): CPU:0 75%, CPU:1 25%") == 1
+    assert "batch_normalization" in out and "dropout" in out
     # CSVLogger wrote from rank 0 only: one header, one row per epoch.
-    with open(runner.tmp_path / "log.csv") as f:
+    with open(folder / "log.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0][0] == "epoch" and len(rows) == len(r0["history"]["loss"]) + 1
     # The best checkpoint is a plain Keras file: a process without multigpu
-    # loads it and predicts what rank 0 predicted (EarlyStopping restored the
-    # best weights, which ModelCheckpoint saved).
+    # loads it and predicts what rank 0 predicted.
     code = (
         "import sys, numpy as np, keras\n"
-        f"d = np.load({str(runner.tmp_path / 'par.npz')!r})\n"
-        f"m = keras.saving.load_model({str(runner.tmp_path / 'best.keras')!r})\n"
+        f"d = np.load({str(folder / 'par-two_input.npz')!r})\n"
+        f"m = keras.saving.load_model({str(folder / 'best.keras')!r})\n"
         "p = m.predict({'a': d['probe_a'], 'b': d['probe_b']}, verbose=0)\n"
         "assert 'multigpu' not in sys.modules\n"
         "np.testing.assert_allclose(p, d['pred'], rtol=1e-5, atol=1e-6)\n"
         "print('loaded ok')\n"
     )
-    res = runner.run([sys.executable, "-c", code])
-    assert "loaded ok" in res.stdout, res.stdout
-    assert not list(runner.tmp_path.glob(".*.tmp*")), "a temporary file was left behind"
-    assert runner.leftovers() == []
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KERAS_BACKEND": "torch"})
+    assert "loaded ok" in res.stdout, res.stdout + res.stderr
+    assert not list(folder.glob(".*.tmp*")), "a temporary file was left behind"

@@ -1,4 +1,4 @@
-"""Launching and ending runs: plain python, ragged batches, failures, torchrun."""
+"""Starting and ending runs: plain python, multigpu run, torchrun; exit codes and failed ranks named."""
 
 import json
 import math
@@ -13,47 +13,41 @@ from tests.conftest import SCRIPTS
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
-def read(runner, rank):
-    return json.loads((runner.tmp_path / f"res.rank{rank}.json").read_text())
+def read(runner, prefix, rank):
+    return json.loads((runner.tmp_path / f"{prefix}.rank{rank}.json").read_text())
 
 
-def test_ragged_last_batch_of_one_row_with_batchnorm(runner):
-    # 33 rows at batch 16: the last step has 1 row, so rank 1 gets none.
-    res = runner.script("tiny.py", "--bn", "--rows", "33", "--batch", "16", "--epochs", "2",
-                        "--out", "res", timeout=90)
-    assert res.returncode == 0, res.stdout
-    r0, r1 = read(runner, 0), read(runner, 1)
-    for values in r0["history"].values():
-        assert all(math.isfinite(v) for v in values)
-    for w in r0["weights"]:
-        assert np.all(np.isfinite(w))
-    # weights, including BatchNorm's moving statistics, agree on every rank
-    for a, b in zip(r0["weights"], r1["weights"]):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert runner.leftovers() == []
-
-
-def test_script_exit_leaves_no_process(runner):
-    res = runner.script("tiny.py", timeout=90)
+def test_plain_python_runs_one_rank_per_device_and_leaves_nothing(runner):
+    # 33 rows at batch 16: the last step has 1 row, so rank 1 gets none (BatchNorm must not give NaN).
+    res = runner.script("tiny.py", "--bn", "--rows", "33", "--batch", "16", "--epochs", "2", "--out", "res",
+                        timeout=90)
     assert res.returncode == 0, res.stdout
     assert "rank 0 done" in res.stdout and "rank 1 done" in res.stdout
+    r0, r1 = read(runner, "res", 0), read(runner, "res", 1)
+    for values in r0["history"].values():
+        assert all(math.isfinite(v) for v in values)
+    for a, b in zip(r0["weights"], r1["weights"]):  # BatchNorm's moving statistics included
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert r0["world_size"] == 2
     assert runner.leftovers() == []
 
 
-@pytest.mark.parametrize("where", ["parallelize", "fit"])
-@pytest.mark.parametrize("rank", [0, 1])
-def test_exception_on_a_rank_ends_the_run(runner, rank, where):
-    res = runner.script("tiny.py", "--fail-rank", str(rank), "--fail-where", where, timeout=90)
+@pytest.mark.parametrize(("rank", "where", "how"), [(1, "fit", "python"), (0, "parallelize", "run")])
+def test_an_exception_on_a_rank_ends_the_run_naming_it(runner, rank, where, how):
+    args = ["--fail-rank", str(rank), "--fail-where", where]
+    res = (runner.script("tiny.py", *args, timeout=90) if how == "python"
+           else runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), *args, timeout=90))
     assert res.returncode != 0, res.stdout
     assert f"failing on purpose on rank {rank}" in res.stdout
-    if rank == 1:
-        assert "rank 1 (CPU:1)" in res.stdout
+    assert f"rank {rank} (CPU:{rank}) exited with code 1: RuntimeError: failing on purpose on rank {rank}" in res.stdout
     assert runner.leftovers() == []
 
 
-def test_exit_code_of_another_rank_is_passed_on(runner):
-    res = runner.script("tiny.py", "--fail-rank", "1", "--fail-where", "end", "--exit-code", "5", timeout=90)
-    assert res.returncode != 0
+def test_exit_code_of_a_rank_is_passed_on(runner):
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--fail-rank", "1",
+                     "--fail-where", "end", "--exit-code", "5", timeout=90)
+    assert res.returncode == 5
     assert "rank 1 (CPU:1) exited with code 5" in res.stdout
     assert runner.leftovers() == []
 
@@ -74,14 +68,12 @@ def test_torchrun_two_machines_on_loopback_match_one_machine(runner):
             str(SCRIPTS / "tiny.py"), "--devices", "auto", "--rows", "50", "--batch", "16",
             "--ratios", "3,1", "--out", "tr",
         ], extra_env={"GLOO_SOCKET_IFNAME": "lo"}))
-    results = [runner.finish(p, timeout=120) for p in nodes]
-    for r in results:
+    for r in [runner.finish(p, timeout=120) for p in nodes]:
         assert r.returncode == 0, r.stdout
-    one = runner.script("tiny.py", "--devices", "cpu:0,cpu:1", "--rows", "50", "--batch", "16",
-                        "--ratios", "3,1", "--out", "one", timeout=90)
+    one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
+                     "--ratios", "3,1", "--out", "one", timeout=90)
     assert one.returncode == 0, one.stdout
-    tr = json.loads((runner.tmp_path / "tr.rank0.json").read_text())
-    ref = json.loads((runner.tmp_path / "one.rank0.json").read_text())
+    tr, ref = read(runner, "tr", 0), read(runner, "one", 0)
     assert tr["world_size"] == 2
     for a, b in zip(tr["weights"], ref["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -98,12 +90,25 @@ class _Exited:
 
 @pytest.mark.parametrize(("codes", "expected"), [
     ([1, -9], (-9, 1)),      # the killed rank is the cause, not rank 0 that lost its peer
-    ([None, 3, 1], (3, 1)),  # no signal: the lowest failed rank
+    ([None, 3, 1], (3, 1)),  # no signal, no reason given: the lowest rank that failed
     ([0, 0], (0, None)),
 ])
-def test_the_launcher_names_the_rank_that_caused_a_failure(codes, expected):
+def test_the_supervisor_names_the_rank_that_caused_a_failure(codes, expected):
     from multigpu.runtime.supervisor import Supervisor
 
     group = Supervisor(["true"], [], 10.0)
     group.procs = [_Exited(c) for c in codes]
     assert group.wait() == expected
+
+
+def test_a_rank_that_said_why_it_failed_is_named_first(tmp_path):
+    from multigpu.devices import Device
+    from multigpu.runtime.supervisor import Supervisor
+
+    group = Supervisor(["true"], [Device("cpu", i) for i in range(3)], 10.0)
+    group.procs = [_Exited(c) for c in (None, 1, 1)]
+    group.run_dir = str(tmp_path)
+    (tmp_path / "rank2.failure").write_text("ValueError: bad data\nmore")
+    group.failure()  # notes when rank 2 said it
+    code, rank = group.wait()
+    assert group.describe_failure(code, rank) == "rank 2 (CPU:2) exited with code 1: ValueError: bad data"

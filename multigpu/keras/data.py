@@ -118,13 +118,14 @@ def _take(array, index):
     return array[torch.as_tensor(index, device=array.device)]
 
 
-def _standardize(batch) -> tuple:
+def _standardize(batch):
+    """A batch as Keras's dataset adapters pass it on: a dict as it is, a list as a tuple, an array as ``(x,)``."""
     if isinstance(batch, list):
         return tuple(batch)
-    return batch if isinstance(batch, tuple) else (batch,)
+    return batch if isinstance(batch, (tuple, dict)) else (batch,)
 
 
-def _cut(batch: tuple, plan: StepPlan) -> tuple:
+def _cut(batch, plan: StepPlan):
     begin, end = plan.rows(plan.rank)
     return keras.tree.map_structure(lambda a: None if a is None else a[begin:end], batch)
 
@@ -140,9 +141,7 @@ class _Arrays:
     """Global batches of arrays: rows ``[i*B, (i+1)*B)`` of the (shuffled) order."""
 
     def __init__(self, x, y, sample_weight, batch_size: int, shuffle, seed: int) -> None:
-        parts = [x] + ([y] if y is not None or sample_weight is not None else [])
-        if sample_weight is not None:
-            parts.append(sample_weight)
+        parts = [x, y, sample_weight]
         self.parts = tuple(None if p is None else keras.tree.map_structure(_to_floatx, p) for p in parts)
         self.rows = num_rows(x, y, sample_weight)
         self.batch_size = int(batch_size)
@@ -172,8 +171,9 @@ class _Arrays:
             plan = plan_of(min(self.batch_size, self.rows - start))
             begin, end = plan.rows(plan.rank, start)
             index = slice(begin, end) if self.order is None else self.order[begin:end]
-            yield tuple(None if p is None else keras.tree.map_structure(lambda a, i=index: _take(a, i), p)
-                        for p in self.parts)
+            parts = [None if p is None else keras.tree.map_structure(lambda a, i=index: _take(a, i), p)
+                     for p in self.parts]
+            yield keras.utils.pack_x_y_sample_weight(*parts)  # as Keras's array adapter: x alone is not a tuple
 
 
 class _PyDataset:

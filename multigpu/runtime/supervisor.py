@@ -104,23 +104,33 @@ class Supervisor:
         """``(code, rank)`` of the rank that caused a failure, or None while none has failed.
 
         A rank killed by a signal is named first, then the first that said
-        why it failed, then the lowest rank: ranks that ended in the same
-        moment most likely lost a peer.
+        why it failed (the others most likely lost it), then the lowest rank.
         """
-        now = time.monotonic()
+        now = time.time()
         failed = []
         for r, p in enumerate(self.procs):
             code = p.poll()
+            said = self._said_at(r)
             if code not in (None, 0):
-                failed.append((0 if code < 0 else 2, self._reported_at.get(r, now), r, code))
-            elif code is None and self.run_dir and r not in self._reported_at and read_failure(self.run_dir, r):
-                self._reported_at[r] = now
-            if code is None and r in self._reported_at and now - self._reported_at[r] > GRACE:
-                failed.append((1, self._reported_at[r], r, 1))  # said it failed, but did not end: stuck
+                failed.append((0 if code < 0 else 1, said, r, code))
+            elif code is None and said < now - GRACE:
+                failed.append((1, said, r, 1))  # said it failed, but did not end: stuck
         if not failed:
             return None
         _, _, r, code = min(failed)
         return code, r
+
+    def _said_at(self, rank: int) -> float:
+        """When ``rank`` wrote why it failed (infinity when it did not)."""
+        if rank in self._reported_at:
+            return self._reported_at[rank]
+        if self.run_dir:
+            try:
+                self._reported_at[rank] = os.stat(os.path.join(self.run_dir, f"rank{rank}.failure")).st_mtime
+                return self._reported_at[rank]
+            except OSError:
+                pass
+        return float("inf")
 
     def wait(self) -> tuple[int, int | None]:
         """Waits until every rank succeeded or one failed; returns ``(code, failed rank or None)``."""

@@ -1,7 +1,7 @@
 """Trains a small model with Dense, Conv2D, GRU, Embedding and an L2
-regulariser, and writes its final weights and History to an .npz file.
+regulariser, once per optimizer, and writes the final weights and History to an .npz file.
 
-    python exactness.py OUT.npz --devices cpu:0,cpu:1 --ratios 3,1 --optimizer sgd
+    python exactness.py OUT.npz --devices cpu:0,cpu:1 --ratios 3,1 --optimizers sgd,adam
     python exactness.py OUT.npz --plain        # no multigpu at all
 
 Used by the tests to compare N devices with one.
@@ -44,29 +44,29 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", default="cpu:0")
     p.add_argument("--ratios", default=None)
-    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--optimizers", default="sgd,adam")
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--plain", action="store_true")
     a = p.parse_args()
-    model = build(1)
-    rank = 0
-    if not a.plain:
-        import multigpu
+    arrays, rank = {}, 0
+    for name in a.optimizers.split(","):
+        model = build(1)
+        if not a.plain:
+            import multigpu
 
-        ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
-        model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios)
-        rank = multigpu.rank()
-    opt = keras.optimizers.SGD(0.1) if a.optimizer == "sgd" else keras.optimizers.Adam(0.01)
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    x, y = data(a.rows)
-    hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0)
-    weights = model.get_weights()
-    if rank == 0:
-        np.savez(a.out, *weights, history=json.dumps(hist.history))
-    else:
-        np.savez(a.out + f".rank{rank}.npz", *weights, history=json.dumps(hist.history))
+            ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
+            model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios)
+            rank = multigpu.rank()
+        opt = keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        x, y = data(a.rows)
+        hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0)
+        for i, w in enumerate(model.get_weights()):
+            arrays[f"{name}.w{i}"] = w
+        arrays[f"{name}.history"] = json.dumps(hist.history)
+    np.savez(a.out if rank == 0 else f"{a.out}.rank{rank}.npz", **arrays)
 
 
 if __name__ == "__main__":

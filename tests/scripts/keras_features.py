@@ -1,6 +1,8 @@
 """Keras features on a parallel model, compared with one plain process by the tests.
 
-    python keras_features.py MODE OUT [--plain] [--devices ...] [--ratios ...]
+    python keras_features.py MODES OUT [--plain] [--devices ...] [--ratios ...]
+
+MODES is a comma-separated list (or "all"); mode M writes OUT-M.npz (rank R > 0: OUT-M.npz.rankR.npz).
 
 Modes:
   two_input   two inputs, BatchNorm, Dropout; class_weight, validation_split,
@@ -156,15 +158,21 @@ def inputs(a):
     save(a, rank, **results)
 
 
+MODES = {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "inputs": inputs}
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode")
+    p.add_argument("modes")
     p.add_argument("out")
     p.add_argument("--plain", action="store_true")
     p.add_argument("--devices", default="cpu:0,cpu:1")
     p.add_argument("--ratios", default="3,1")
     a = p.parse_args()
-    {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "inputs": inputs}[a.mode](a)
+    base = a.out
+    for mode in (MODES if a.modes == "all" else a.modes.split(",")):
+        a.out = f"{base}-{mode}.npz"
+        MODES[mode](a)
     return 0
 
 

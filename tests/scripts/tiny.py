@@ -89,6 +89,9 @@ def main() -> int:
     ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
     model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=20)
     rank = multigpu.rank()
+    if a.print_listen:
+        for address in listening_addresses():
+            print(f"rank {rank} listens on {address}", flush=True)
     if rank == a.fail_rank and a.fail_where == "parallelize":
         raise RuntimeError(f"failing on purpose on rank {rank}")
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -102,9 +105,6 @@ def main() -> int:
     hist = model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=callbacks)
     if rank == a.fail_rank and a.fail_where == "fit":
         raise RuntimeError(f"failing on purpose on rank {rank}")
-    if a.print_listen:
-        for address in listening_addresses():
-            print(f"rank {rank} listens on {address}", flush=True)
     if a.out:
         weights = model.get_weights()
         with open(f"{a.out}.rank{rank}.json", "w") as f:

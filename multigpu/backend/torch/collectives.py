@@ -289,9 +289,9 @@ class _SharedMemory:
 
 def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe) -> str:
     mine = describe() if describe else f"{sizes[rank]} bytes"
-    from multigpu.runtime.processes import read_failure, write_failure
+    from multigpu.runtime.processes import read_note, write_note
 
-    write_failure(rank, f"the ranks' collectives did not match: this rank summed {mine}")
+    write_note(rank, "layout", mine)
     others = []
     run_dir = os.environ.get("MULTIGPU_RUN_DIR")
     deadline = time.monotonic() + 2.0
@@ -300,10 +300,9 @@ def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe) ->
             continue
         text = None
         while run_dir and text is None and time.monotonic() < deadline:
-            text = read_failure(run_dir, q)
+            text = read_note(run_dir, q, "layout")
             if text is None:
                 time.sleep(0.01)
-        what = text.split("this rank summed ", 1)[-1] if text else f"{sizes[q]} bytes (layout {tags[q]})"
-        others.append(f"rank {q} summed {what}")
+        others.append(f"rank {q} summed {text or f'{sizes[q]} bytes'}")
     return (f"the ranks' collectives did not match: this rank summed {mine}, while " + "; ".join(others)
             + ". Every rank must call the optimizer on the same variables the same number of times per step.")

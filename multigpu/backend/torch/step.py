@@ -172,7 +172,8 @@ class TorchSteps:
         buf[:-1].copy_(vec)
         buf[-1] = 1.0
         with self.timing.waiting():
-            summed = self.comm.reduce(buf, tag=1000 + vec.numel() % 1000, what="summing the step's logs")
+            summed = self.comm.reduce(buf, tag=1000 + vec.numel() % 1000, what="summing the step's logs",
+                                      describe=lambda: f"the step's logs ({vec.numel()} values) after the step")
         return self._finish(summed[:-1].tolist(), phase, len(timing))
 
     def _finish(self, summed: list[float], phase: str, n_timing: int | None = None):

@@ -1,0 +1,74 @@
+"""Custom training (train_step and compute_loss overrides, train_on_batch loops), unused parameters,
+frozen models and callback counts: N devices against one plain process (tests/scripts/custom.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import SCRIPTS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+MODES = ("gan", "vae", "vae_step", "distiller", "on_batch", "unused", "frozen", "counts")
+
+
+def load(path) -> dict:
+    data = np.load(path)
+    out: dict = {}
+    for key in data.files:
+        mode, name = key.split(".", 1)
+        out.setdefault(mode, {})[name] = json.loads(str(data[key])) if name == "history" else data[key]
+    return out
+
+
+def rel(a, b) -> float:
+    return float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12)) if a.size else 0.0
+
+
+def close(a, b, tolerance: float) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], tolerance) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(close(x, y, tolerance) for x, y in zip(a, b))
+    return abs(a - b) <= tolerance * max(1.0, abs(a))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain") / "plain.npz"
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run([sys.executable, str(SCRIPTS / "custom.py"), str(out), "--plain"], capture_output=True,
+                         text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return load(out)
+
+
+@pytest.mark.parametrize(("devices", "ratios"), [("cpu:0,cpu:1", "3,1"), ("cpu:0,cpu:1,cpu:2", "1,2,5")])
+def test_custom_steps_match_one_device(runner, plain, devices, ratios):
+    out = runner.tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", devices, "--ratios", ratios, str(SCRIPTS / "custom.py"), str(out),
+                     timeout=200)
+    assert res.returncode == 0, res.stdout[-4000:]
+    got = load(out)
+    others = [load(f"{out}.rank{r}.npz") for r in range(1, len(devices.split(",")))]
+    assert set(got) == set(MODES)
+    for mode in MODES:
+        for key, value in plain[mode].items():
+            if key == "history":
+                assert close(value, got[mode][key], 1e-5), (mode, value, got[mode][key])
+            else:
+                assert rel(value, got[mode][key]) <= 1e-5, (mode, key)
+            for other in others:  # every rank holds the same weights and the same global logs
+                if key == "history":
+                    assert other[mode][key] == got[mode][key], mode
+                else:
+                    np.testing.assert_array_equal(other[mode][key], got[mode][key])
+    counts = got["counts"]["history"]
+    assert counts["counts"] == [12, 6 + 5, 4]  # one callback per global batch, as on one device
+    assert counts["predict_indexes"] == [0, 1, 2, 3]
+    assert got["frozen"]["history"]["warned"] == [1.0]  # "The model does not have any trainable weights."
+    assert runner.leftovers() == []
