@@ -126,15 +126,16 @@ def launched_by_another_tool() -> bool:
     return multigpu_env.RANK in os.environ or all(os.environ.get(v) for v in multigpu_env.TORCHRUN_VARS)
 
 
-def run_one_device(args: argparse.Namespace, device: Device) -> dict:
-    """This script on ``device`` alone, in a subprocess bound to that device's cores."""
+def run_in_subprocess(args: argparse.Namespace, devices: list[Device]) -> dict:
+    """This script on ``devices``, in fresh processes bound to those devices' cores."""
     options = ["--width", str(args.width), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     for flag, value in (("--train-rows", args.train_rows), ("--test-rows", args.test_rows)):
         if value is not None:
             options += [flag, str(value)]
     if args.synthetic:
         options.append("--synthetic")
-    return run_worker(__file__, [device], options, result_flag="--result-json", prefix="mnist-convnet-")
+    return run_worker(__file__, devices, options, ratios=args.ratios, result_flag="--result-json",
+                      prefix="mnist-convnet-")
 
 
 def print_comparison(one: dict | None, many: dict) -> None:
@@ -158,23 +159,22 @@ def main() -> None:
         if multigpu.rank() == 0:
             Path(args.result_json).write_text(json.dumps(result))
         return
-    one = None
     devices = assign_cores(parse_devices(args.devices))
-    # Code before `parallelize` runs on every rank: only rank 0 starts the one-device run,
-    # and before parallelize, so that nothing else runs on the machine while it is timed.
-    if multigpu.rank() == 0 and not args.no_baseline:
+    if args.no_baseline or len(devices) < 2 or launched_by_another_tool():
         if len(devices) < 2:
             print("Only one device: nothing to compare against.", flush=True)
-        elif launched_by_another_tool():
+        elif launched_by_another_tool() and multigpu.rank() == 0:
             print("Started by `multigpu run` or torchrun: skipping the one-device run.", flush=True)
-        else:
-            print(f"== one device ({devices[0].label}), in a subprocess ==", flush=True)
-            one = run_one_device(args, devices[0])
-            print(f"\n== all {len(devices)} devices ==", flush=True)
-    many = train(args)
-    if multigpu.rank() == 0:
-        print_comparison(one, many)
-
+        many = train(args)
+        if multigpu.rank() == 0:
+            print_comparison(None, many)
+        return
+    # Both runs in fresh processes, one after the other, so that nothing else runs while each is timed.
+    print(f"== one device ({devices[0].label}) ==", flush=True)
+    one = run_in_subprocess(args, devices[:1])
+    print(f"\n== all {len(devices)} devices ==", flush=True)
+    many = run_in_subprocess(args, devices)
+    print_comparison(one, many)
 
 if __name__ == "__main__":
     main()
