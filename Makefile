@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export KERAS_BACKEND := torch
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench keras-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,17 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check multigpu tests benchmarks examples
+	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_core.py
+
+# Keras's own trainer, callback and saving tests with every model parallelized (an outside check, ~min).
+keras-suite: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS.md
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

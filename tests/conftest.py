@@ -12,6 +12,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests are judged by what they assert, not by how fast a loaded 2-core machine runs them.
+settings.register_profile("multigpu", deadline=None)
+settings.load_profile("multigpu")
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 

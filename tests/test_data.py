@@ -1,10 +1,10 @@
 """Each rank's share of every global batch, for every input form (in one process, one planner per rank)."""
 
+import keras
 import numpy as np
 import pytest
 import torch
 
-import keras
 from multigpu.keras.data import ShardedData, input_kind, num_rows, source_for, validation_split
 from multigpu.planning import StepPlanner, split
 
@@ -33,7 +33,7 @@ def test_arrays_every_row_once_per_epoch_in_contiguous_shares(shuffle):
     assert len(per_rank[0]) == len(per_rank[1]) == 3  # 16, 16, 3 rows
     rows = []
     for step in range(3):
-        (x0, y0), (x1, y1) = per_rank[0][step], per_rank[1][step]
+        (x0, y0), (_, y1) = per_rank[0][step], per_rank[1][step]
         assert x0.dtype == np.float32  # floats become floatx, as Keras does
         assert (len(y0), len(y1)) == ((12, 4) if step < 2 else (2, 1))
         rows += list(y0) + list(y1)
@@ -48,8 +48,8 @@ def test_every_rank_draws_the_same_order_from_the_shared_seed_and_a_new_one_each
     a = ShardedData(source_for(x, None, None, 40, True, 3, "fit", 0), planners()[0], training=False)
     b = ShardedData(source_for(x, None, None, 40, True, 3, "fit", 1), planners()[1], training=False)
     first_a, first_b = batches(a, 0), batches(b, 0)
-    assert sorted(np.concatenate([first_a[0][0], first_b[0][0]]).ravel()) == list(range(40))
-    assert not np.array_equal(batches(a, 0)[0][0], batches(a, 1)[0][0])
+    assert sorted(np.concatenate([first_a[0], first_b[0]]).ravel()) == list(range(40))
+    assert not np.array_equal(batches(a, 0)[0], batches(a, 1)[0])
 
 
 def test_training_batches_queue_their_plans_for_the_step_and_a_peek_is_forgotten():
@@ -63,7 +63,7 @@ def test_training_batches_queue_their_plans_for_the_step_and_a_peek_is_forgotten
     data.on_epoch_begin()  # the epoch proper: the peek's plan is gone
     it = iter(data.get_torch_dataloader())
     for expected in (6, 6, 3):
-        (xb,) = next(it)
+        xb = next(it)  # x alone, as Keras packs data without targets
         assert p0.take(len(xb)).local == expected
 
 
@@ -91,7 +91,7 @@ def test_pydataset_and_generator_batches_are_cut_by_share():
     assert [list(b[1]) for b in cut[1]] == [[6, 7], [14, 15], [22, 23]]
 
     def gen():
-        for i in range(2):
+        for _ in range(2):
             yield np.ones((8, 1), "float32"), np.arange(8)
 
     with pytest.warns(UserWarning, match="every rank iterates its own copy"):
@@ -112,5 +112,5 @@ def test_bad_inputs_say_what_was_received():
 
 
 def test_validation_split_takes_the_last_rows_as_keras_does():
-    (tx, ty), (vx, vy) = validation_split((np.arange(10)[:, None], np.arange(10)), 0.2)
+    (_, ty), (_, vy) = validation_split((np.arange(10)[:, None], np.arange(10)), 0.2)
     assert list(ty) == list(range(8)) and list(vy) == [8, 9]

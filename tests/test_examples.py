@@ -103,3 +103,18 @@ def test_examples_reject_bad_ratios(runner):
     res = runner.run([sys.executable, str(EXAMPLES / "gru_sequences.py"), "--ratios", "3,x"], timeout=50)
     assert res.returncode == 2, res.stdout
     assert "--ratios takes 'auto' or numbers" in res.stdout
+
+
+@pytest.mark.timeout(150)
+def test_gan_trains_with_a_custom_step_and_saves_the_generator(runner):
+    out = run_example(runner, "gan.py", *TWO_CPUS, "--ratios", "3,1", timeout=140)
+    assert "2 device(s): CPU:0, CPU:1" in out, out
+    losses = re.search(rf"^final losses: d_loss {NUMBER}, g_loss {NUMBER}$", out, re.M)
+    assert losses and 0 < float(losses[1]) < 10 and 0 < float(losses[2]) < 10, out
+    assert re.search(r"^discriminator right on \d+% of real test images and \d+% of generated ones$", out, re.M)
+    generator = runner.tmp_path / "gan-generator.keras"
+    assert generator.is_file() and (runner.tmp_path / "gan-samples.png").is_file()
+    check = runner.run([sys.executable, "-c", "import keras, sys; m = keras.saving.load_model(sys.argv[1]); "
+                        "print(tuple(m(keras.random.normal((2, 64))).shape))", str(generator)], timeout=60)
+    assert "(2, 28, 28, 1)" in check.stdout, check.stdout
+    assert runner.leftovers() == []

@@ -35,9 +35,9 @@ def run_ranks(world: int, body):
 
     def target(rank):
         try:
-            sync = GradientSync(ThreadComm(rank, shared), waiting=lambda: _Null())
+            sync = GradientSync(ThreadComm(rank, shared), waiting=_Null)
             results[rank] = body(rank, sync)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
             shared["barrier"].abort()
 
@@ -159,7 +159,7 @@ def test_wrapped_optimizer_sums_before_applying_and_only_inside_a_step():
     import keras
 
     shared = {"world": 1, "slots": {}, "barrier": threading.Barrier(1)}
-    sync = GradientSync(ThreadComm(0, shared), waiting=lambda: _Null())
+    sync = GradientSync(ThreadComm(0, shared), waiting=_Null)
     v = keras.Variable([1.0, 1.0])
     opt = keras.optimizers.SGD(learning_rate=1.0)
     sync.wrap(opt)

@@ -105,7 +105,7 @@ def test_the_log_names_every_move_and_its_effect():
 
 def test_a_device_that_slows_down_mid_run_is_followed():
     for seed in range(6):
-        true, search, speeds = simulate(speeds=(200, 200), start=(0.5, 0.5), windows=70, change=(25, (200, 100)),
+        true, _, speeds = simulate(speeds=(200, 200), start=(0.5, 0.5), windows=70, change=(25, (200, 100)),
                                         seed=seed)
         best = best_throughput(speeds)
         recovered = next(i for i in range(25, 70) if true[i] >= 0.9 * best) - 25

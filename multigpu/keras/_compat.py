@@ -112,8 +112,16 @@ def seed_variables(model) -> list:
 
 
 def silence_backup_saving(callback) -> None:
-    """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``)."""
-    object.__setattr__(callback, "_save_model", lambda *args, **kwargs: None)
+    """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``).
+
+    It still calls the model's ``save_weights`` where Keras would: the parallel
+    model's saving writes on rank 0 only, and every rank waits there for it.
+    """
+
+    def save_nothing_but_wait(*args, **kwargs) -> None:
+        callback.model.save_weights(filepath=callback._weights_path, overwrite=True)
+
+    object.__setattr__(callback, "_save_model", save_nothing_but_wait)
     callback.delete_checkpoint = False
 
 

@@ -14,6 +14,7 @@ shares, measured speeds, the last per-device report.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -104,18 +105,22 @@ class ParallelModel:
 
     def install(self) -> None:
         """Gives the model instance its parallel methods (its class is untouched)."""
-        rank = self.runtime.rank
         methods = {
             **self.steps.methods(), **self.loops.methods(),
-            "save": lambda filepath, overwrite=True, **kw: atomic_save(self.keras["save"], filepath, rank,
-                                                                       overwrite, **kw),
-            "save_weights": lambda filepath, overwrite=True, **kw: atomic_save(self.keras["save_weights"], filepath,
-                                                                               rank, overwrite, **kw),
+            "save": lambda filepath, overwrite=True, **kw: self.save("save", filepath, overwrite, **kw),
+            "save_weights": lambda filepath, overwrite=True, **kw: self.save("save_weights", filepath, overwrite,
+                                                                             **kw),
             "summary": self.summary,
         }
         for name, method in methods.items():
             object.__setattr__(self.model, name, method)
         _MODELS[self.model] = self
+
+    def save(self, method: str, filepath, overwrite: bool = True, **kwargs):
+        """Keras's ``save``/``save_weights`` on rank 0, atomically; every rank returns once the file is there."""
+        result = atomic_save(self.keras[method], filepath, self.runtime.rank, overwrite, **kwargs)
+        self.comm.sum_floats([0.0], f"waiting for rank 0 to write {os.fspath(filepath)!r}")
+        return result
 
     def summary(self, *args, **kwargs):
         """The model's own summary (rank 0 only) and one line with the devices and current shares."""

@@ -1,0 +1,191 @@
+"""Keras's own tests with every model parallelized: an outside check of multigpu.
+
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python keras_suite/run.py          # or: make keras-suite
+    ... keras_suite/run.py --files trainers/trainer_test.py --write keras_suite/RESULTS.md
+
+Runs test files of the installed Keras (trainers, callbacks and saving by default):
+
+1. **plain**: once in one process, as Keras's CI would (the reference: some tests need
+   TensorFlow or other packages, or are skipped on this backend);
+2. **parallel**: with ``multigpu run --devices cpu:0,cpu:1``, every rank running the same
+   selection, every ``keras.Model`` passed to ``multigpu.parallelize`` when it is compiled
+   (``plugin.py``).  When a test ends the run (a failure multigpu turns into the end of the
+   run, as it must), the run starts again from the next test, and that test counts as failed
+   with the run's message.
+
+A test *passes* when it passes on every rank.  It is *not applicable* when it does not pass
+in the plain run either (the reason is the plain run's), and *not reached* when it passes
+without compiling a ``keras.Model`` (it tests a ``Trainer`` mixed into a layer, or a
+callback on its own), so multigpu was not involved.  The table of counts and every
+failure or not-applicable test with its reason go to ``--write`` (Markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_FILES = ["trainers/trainer_test.py", "trainers/epoch_iterator_test.py", "callbacks/*_test.py",
+                 "saving/saving_api_test.py", "saving/saving_lib_test.py"]
+
+
+def keras_src() -> Path:
+    out = subprocess.run([sys.executable, "-c", "import keras, os; print(os.path.dirname(keras.__file__))"],
+                         capture_output=True, text=True, check=True, env=child_env())
+    return Path(out.stdout.strip()) / "src"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIGPU_")}
+    env.update(KERAS_BACKEND=env.get("KERAS_BACKEND", "torch"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=str(HERE), **extra)
+    return env
+
+
+def read_progress(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plain_run(files: list[str], out: Path) -> list[dict]:
+    """Every test of ``files`` in one plain process; outcomes in order."""
+    code = ("import sys, pytest; from pathlib import Path; from plugin import Recorder; "
+            "r = Recorder(Path(sys.argv[1]), None, None, 0); r.install(); "
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-o', 'addopts=', '-W', 'ignore', "
+            "'--basetemp', sys.argv[2], *sys.argv[3:]], plugins=[r]))")
+    subprocess.run([sys.executable, "-c", code, str(out / "plain.jsonl"), str(out / "tmp-plain"), *files],
+                   env=child_env(), stdout=subprocess.DEVNULL, check=False)
+    return read_progress(out / "plain.jsonl")
+
+
+def parallel_runs(tests: list[str], out: Path, devices: str, timeout: float, log) -> dict[str, dict]:
+    """Runs ``tests`` on ``devices``, starting again after a test that ends the run."""
+    results: dict[str, dict] = {}
+    remaining = list(tests)
+    attempt = 0
+    while remaining:
+        attempt += 1
+        folder = out / f"run{attempt}"
+        folder.mkdir()
+        (folder / "tests.txt").write_text("\n".join(remaining))
+        log(f"parallel run {attempt}: {len(remaining)} tests")
+        proc = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", devices, "--timeout",
+                               str(timeout), str(HERE / "rank.py"), str(folder), str(folder / "tests.txt")],
+                              env=child_env(KERAS_SUITE_DEVICES=devices, KERAS_SUITE_TIMEOUT=str(timeout)),
+                              capture_output=True, text=True, check=False)
+        ranks = [{r["id"]: r for r in read_progress(folder / f"rank{i}.jsonl")}
+                 for i in range(len(devices.split(",")))]
+        finished = 0
+        for test in remaining:
+            outcomes = [rank.get(test) for rank in ranks]
+            if any(o is None for o in outcomes):
+                break
+            failed = [(i, o) for i, o in enumerate(outcomes) if o["outcome"] == "failed"]
+            skipped = [o for o in outcomes if o["outcome"] == "skipped"]
+            if failed:
+                i, o = failed[0]
+                result = {"outcome": "failed", "reason": f"rank {i}: {o['reason']}"}
+            elif skipped:
+                result = {"outcome": "skipped", "reason": skipped[0]["reason"]}
+            else:
+                result = {"outcome": "passed", "reason": ""}
+            results[test] = {**result, "reached": any(o["reached"] for o in outcomes)}
+            finished += 1
+        remaining = remaining[finished:]
+        if remaining and proc.returncode == 0:
+            raise RuntimeError(f"run {attempt} ended well but left {len(remaining)} tests undone:\n"
+                               f"{proc.stdout[-3000:]}")
+        if remaining:  # the test in progress ended the run
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("multigpu")]
+            reason = lines[-1] if lines else f"the run ended with exit code {proc.returncode}"
+            results[remaining[0]] = {"outcome": "ended the run", "reason": reason[:300], "reached": True}
+            log(f"  {remaining[0]} ended the run: {reason[:200]}")
+            remaining = remaining[1:]
+    return results
+
+
+def classify(plain: dict[str, dict], parallel: dict[str, dict]) -> list[tuple[str, str, str]]:
+    """(test, class, reason) for every test, in order."""
+    rows = []
+    for test, ref in plain.items():
+        got = parallel[test]
+        if ref["outcome"] != "passed":
+            rows.append((test, "not applicable", f"plain run {ref['outcome']}: {ref['reason']}"))
+        elif got["outcome"] == "passed":
+            rows.append((test, "passed" if got["reached"] else "not reached", ""))
+        else:
+            rows.append((test, "failed", f"{got['outcome']}: {got['reason']}"))
+    return rows
+
+
+def markdown(rows: list[tuple[str, str, str]], command: str, seconds: float, devices: str) -> str:
+    counts = Counter(c for _, c, _ in rows)
+    by_file = Counter((t.split("::")[0].split("keras/src/")[-1], c) for t, c, _ in rows)
+    files = sorted({f for f, _ in by_file})
+    classes = ["passed", "failed", "not reached", "not applicable"]
+    out = [
+        "# Keras's own tests with every model parallelized",
+        "",
+        f"Command: `{command}` ({seconds / 60:.1f} min). Devices: `{devices}`, torch backend, "
+        "every `keras.Model` passed to `multigpu.parallelize` when compiled.",
+        "",
+        "*passed*: passes on every rank and trained through multigpu; *not reached*: passes, but "
+        "compiles no `keras.Model` (a `Trainer` mixed into a layer, a callback alone), so multigpu "
+        "is not involved; *not applicable*: does not pass in a plain one-process run either.",
+        "",
+        "| file | " + " | ".join(classes) + " |",
+        "|---|" + "---:|" * len(classes),
+    ]
+    for f in files:
+        out.append(f"| `{f}` | " + " | ".join(str(by_file[(f, c)]) for c in classes) + " |")
+    out.append("| **all** | " + " | ".join(f"**{counts[c]}**" for c in classes) + " |")
+    for cls in ("failed", "not applicable"):
+        listed = [(t, r) for t, c, r in rows if c == cls]
+        if listed:
+            out += ["", f"## {cls} ({len(listed)})", ""]
+            out += [f"- `{t.split('keras/src/')[-1]}`: {r.replace('|', '/')}" for t, r in listed]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--files", nargs="+", default=DEFAULT_FILES, help="test files under keras/src (globs allowed)")
+    p.add_argument("--devices", default="cpu:0,cpu:1")
+    p.add_argument("--timeout", type=float, default=20.0, help="multigpu's collective timeout")
+    p.add_argument("--write", default=None, help="write the Markdown report here")
+    a = p.parse_args()
+    start = time.monotonic()
+    src = keras_src()
+    files = sorted({str(f) for pattern in a.files for f in src.glob(pattern)})
+    if not files:
+        p.error(f"no test file matches {a.files} under {src}")
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - start:6.0f} s] {message}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="keras-suite-") as tmp:
+        out = Path(tmp)
+        log(f"plain run of {len(files)} files")
+        plain = {r["id"]: r for r in plain_run(files, out)}
+        log(f"plain: {dict(Counter(r['outcome'] for r in plain.values()))}")
+        parallel = parallel_runs(list(plain), out, a.devices, a.timeout, log)
+    rows = classify(plain, parallel)
+    command = "make keras-suite" if a.write else " ".join(["keras_suite/run.py", *sys.argv[1:]])
+    report = markdown(rows, command, time.monotonic() - start, a.devices)
+    print(report)
+    if a.write:
+        Path(a.write).write_text(report)
+    return 1 if any(c == "failed" for _, c, _ in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
