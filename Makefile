@@ -32,6 +32,8 @@ bench: $(STAMP)
 
 # Keras's own trainer, callback and saving tests with every model parallelized (an outside check, ~min).
 keras-suite: $(STAMP)
+	@# Keras's trainer tests import jax at the top (its CPU build; multigpu itself runs on torch here).
+	$(BIN)/python -c "import jax" 2>/dev/null || $(BIN)/pip install --quiet "jax[cpu]==0.10.2"
 	OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS.md
 
 clean:

@@ -31,9 +31,9 @@ def worker(epochs: int, rows: int, out: str) -> None:
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import keras
     import numpy as np
-    from multigpu.models import convnet
 
     import multigpu
+    from multigpu.bench.models import convnet
 
     keras.utils.set_random_seed(0)
     model = multigpu.parallelize(convnet(width=0.125), devices=["cpu:0", "cpu:1"], ratios=[3, 1])

@@ -4,6 +4,6 @@
     model = convnet(width=0.125)   # a narrow net for quick runs
 """
 
-from multigpu.models import convnet, mlp
+from multigpu.bench.models import convnet, mlp
 
 __all__ = ["convnet", "mlp"]

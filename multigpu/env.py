@@ -16,8 +16,8 @@ starts can find each other.
 * ``MULTIGPU_RUN_DIR``: a folder of the run where a failing rank writes why it
   failed, for the supervisor's message.
 * ``MULTIGPU_TIMEOUT``: seconds a collective may wait before the run fails.
-* ``MULTIGPU_TRANSPORT``: ``shm`` or ``gloo``: how CPU ranks on one machine
-  sum gradients (default ``shm``; see ``parallelize(transport=)``).
+* ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``: how CPU ranks on one machine
+  sum gradients (default ``auto``: ``shm`` on x86-64 Linux; see ``parallelize(transport=)``).
 * ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
   ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
@@ -26,7 +26,7 @@ starts can find each other.
   ``MASTER_ADDR``, ``MASTER_PORT``: read (never set) to join a group started
   by ``torchrun``.
 * ``OMP_NUM_THREADS``: set on the processes we start, to their core count.
-* ``KERAS_BACKEND``: ``torch`` (or ``jax``); the supervisor passes it on.
+* ``KERAS_BACKEND``: must be ``torch``; the supervisor passes it on.
 """
 
 RANK = "MULTIGPU_RANK"

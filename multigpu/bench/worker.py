@@ -16,7 +16,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _timer(batch: int, warmup: int, print_every: int, parallel_model=None):
+def _timer(batch: int, warmup: int, print_every: int, parallel_model=None, breakdown=None):
     import keras
 
     class Timer(keras.callbacks.Callback):
@@ -29,6 +29,8 @@ def _timer(batch: int, warmup: int, print_every: int, parallel_model=None):
 
         def on_train_batch_end(self, step, logs=None):
             self.times.append(time.perf_counter())
+            if breakdown is not None and len(self.times) == warmup + 1:
+                breakdown.reset()  # the phases of the timed steps only
             self.samples += batch
             self.loss = float((logs or {}).get("loss", float("nan")))
             if print_every and self.samples >= self.next_print and len(self.times) > warmup + 1:
@@ -91,13 +93,21 @@ def _fit_run(cfg: dict, spec) -> None:
         parallel = model if mode == "multigpu" else None
     spec.compile(model)
     x, y = spec.data(batch * (steps + warmup), 0)
-    timer = _timer(batch, warmup, int(cfg.get("print_every", 0)), parallel)
+    phases = None
+    if cfg.get("breakdown"):
+        from multigpu.bench import breakdown
+
+        phases = breakdown.install(model)
+    timer = _timer(batch, warmup, int(cfg.get("print_every", 0)), parallel, phases)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
     if multigpu.rank() != 0:
         return
     rate = timer.rate()
     result = {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate,
               "peak_rss": _peak_rss()}
+    if phases is not None:
+        timed = timer.times[warmup:]
+        result["breakdown"] = phases.per_step_ms(timed[-1] - timed[0])
     if parallel is not None:
         st = multigpu.state(model)
         result.update(ratios=st.ratios, shares=st.shares(batch), devices=[d.label for d in st.devices],

@@ -81,6 +81,11 @@ def compute_loss(model, x, y, y_pred, sample_weight, training: bool = True):
     return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
 
 
+def wrap_compute_loss(model, wrapper) -> None:
+    """Replaces the model's ``_compute_loss`` (what Keras's steps call) by ``wrapper(_compute_loss)``."""
+    object.__setattr__(model, "_compute_loss", wrapper(model._compute_loss))
+
+
 def loss_tracker(model):
     """The ``Mean`` metric behind the ``loss`` log (``Trainer._loss_tracker``), or None."""
     return getattr(model, "_loss_tracker", None)

@@ -8,7 +8,7 @@ the process group together with the other ranks), flushes the output and
 calls ``os._exit`` with the program's exit code.  The handlers get the run's
 timeout plus a few seconds: a rank never hangs in its own teardown.
 
-Skipping the interpreter's finalization matters here: DDP keeps the gloo
+Skipping the interpreter's finalization matters here: torch keeps the gloo
 process group, and its worker threads, alive until the process ends, and a
 C++ thread that touches a Python object while the interpreter is being torn
 down aborts the process ("terminate called without an active exception"),
@@ -37,7 +37,7 @@ def command(orig_argv: list[str]) -> list[str]:
         orig_argv: the interpreter's own command line (``sys.orig_argv``).
 
     Returns:
-        ``[python, *interpreter options, "-m", "multigpu.rank_entry", kind, target, *args]``.
+        ``[python, *interpreter options, "-m", "multigpu.runtime.rank_entry", kind, target, *args]``.
 
     Raises:
         ValueError: when ``orig_argv`` names no script, module or code.
@@ -133,10 +133,16 @@ def _deadline_for_exit() -> float:
 
 def _finish(code: int) -> None:
     """Ends the process as the interpreter would, minus its finalization."""
-    main_thread = threading.main_thread()
-    for t in threading.enumerate():
-        if t is not main_thread and not t.daemon and t.is_alive():
-            t.join()
+    # As the interpreter does: first the threading module's exit hooks (they stop the
+    # workers of concurrent.futures executors), then wait for the non-daemon threads.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - every CPython we support has it
+        main_thread = threading.main_thread()
+        for t in threading.enumerate():
+            if t is not main_thread and not t.daemon and t.is_alive():
+                t.join()
     # Bounded: a handler stuck in C++ (a collective with a vanished peer) must not keep the rank alive.
     timer = threading.Timer(_deadline_for_exit(), os._exit, args=(code or 1,))
     timer.daemon = True

@@ -16,7 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["GlobalMetrics"]
+__all__ = ["ALL_METRICS", "GlobalMetrics"]
+
+ALL_METRICS: dict = {}  # a step's logs that are exactly ``model.metrics`` (Keras's own step): nothing extra
 
 
 class GlobalMetrics:
@@ -31,6 +33,7 @@ class GlobalMetrics:
         self.model = model
         self.comm = comm
         self.local = False  # inside a step: get_metrics_result() answers locally
+        self.updates_only = False  # inside Keras's compute_metrics in the built-in step: no results needed
         self._key: tuple | None = None
         self._variables: list = []
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
@@ -89,6 +92,20 @@ class GlobalMetrics:
         finally:
             self.local = False
 
+    @contextmanager
+    def no_results(self):
+        """Within the block, ``model.get_metrics_result()`` returns ``{}``: the step needs the updates only.
+
+        Keras's ``compute_metrics`` updates the metrics and then computes their
+        (local) results; the built-in step reads global results from the summed
+        states instead, so computing local ones would double the metrics' cost.
+        """
+        self.updates_only = True
+        try:
+            yield
+        finally:
+            self.updates_only = False
+
     def invalidate(self) -> None:
         """A metric changed (a step started, metrics were reset)."""
         self._fresh = None
@@ -108,7 +125,9 @@ class GlobalMetrics:
             ValueError: when the step logs a value that is neither a metric
                 nor a scalar.
         """
-        if logs is not None:
+        if logs is ALL_METRICS:
+            self._layouts[phase] = ([], None)
+        elif logs is not None:
             names = self._metric_names()
             extra = [k for k in logs if k not in names]
             for k in extra:

@@ -34,7 +34,7 @@ __all__ = ["COMPRESSION", "GradientSync"]
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HEADER = 3
-_TAG_MOD = 2039  # tag and tag**2 summed over up to 4 ranks stay exact in float32
+_TAG_MOD = 251  # tag and tag**2 (< 2**16) summed over up to 256 ranks stay exact in float32
 
 
 @dataclass

@@ -25,7 +25,7 @@ import keras
 import torch
 
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
-from multigpu.backend.torch.metrics import GlobalMetrics
+from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.balancing.timing import StepRecord
 from multigpu.keras import _compat
@@ -69,6 +69,7 @@ class TorchSteps:
         self.keras_test_step = keras.Model.test_step.__get__(model)
         self.keras_predict_step = keras.Model.predict_step.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
+        self.keras_compute_metrics = _own(cls, "compute_metrics") is None and _own(cls, "get_metrics_result") is None
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self._initialized = False
         self._replay: list[tuple] = []
@@ -137,8 +138,13 @@ class TorchSteps:
                 tracker = _compat.loss_tracker(model)
                 if tracker is not None:
                     tracker.update_state(loss, sample_weight=local)
-                with self.metrics.local_results():
-                    logs_local = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                if self.keras_compute_metrics:  # the logs are exactly model.metrics: update them only
+                    with self.metrics.no_results():
+                        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                    logs_local = ALL_METRICS
+                else:
+                    with self.metrics.local_results():
+                        logs_local = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             else:  # no rows here, but the global statistics' collectives must run
                 loss = sum(leaf.sum() for leaf in keras.tree.flatten(y_pred)) * 0.0
             if self.sync_batchnorm:
@@ -249,6 +255,8 @@ class TorchSteps:
     # ---------------------------------------------------------- metrics
     def get_metrics_result(self):
         """Global results (local inside a step, where the step makes them global itself)."""
+        if self.metrics.updates_only:
+            return {}
         if self.metrics.local:
             return self.keras_metrics_result()
         return self.metrics.global_results()

@@ -1,0 +1,107 @@
+"""Speed where communication and per-step overhead dominate, and where each millisecond of a step goes.
+
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_overhead.py          # ~10 min
+    ... benchmarks/bench_overhead.py --cases mlp:0.5:64 --steps-scale 0.5                         # one case
+
+For each case (model:width:global batch), one after another, each configuration in fresh
+processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each):
+
+* ``single``: plain Keras ``model.fit`` on one core (no multigpu);
+* ``mg1``: the same through ``multigpu.parallelize(model, devices=["cpu:0"])``;
+* ``mg2``: multigpu on both devices, equal shares (exact mode, shared-memory transport);
+* ``ddp``: a hand-written PyTorch DDP loop driving the same Keras model, equal shares;
+* ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP (what Keras's next release does).
+
+``single``, ``mg1`` and ``mg2`` carry phase timers (``multigpu.bench.breakdown``): milliseconds
+per step in the forward pass, the loss, ``backward``, summing gradients over ranks, the optimizer
+update, the metrics, the rest of the training step (multigpu's hooks and Keras's step code) and
+Keras's loop outside the step (data, callbacks).  Results: printed tables, and
+``benchmarks/results/overhead.json``.  Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from multigpu.bench.breakdown import PHASES  # noqa: E402
+from multigpu.bench.runs import run_config  # noqa: E402
+
+# model, width, global batch, timed steps (the issue's table, plus gru and convnet)
+CASES = ["mlp:0.5:64:80", "mlp:0.5:512:30", "dense41m:1:256:8", "gru:1:64:40", "convnet:0.25:256:12"]
+CONFIGS = {
+    "single": {"mode": "single", "devices": ["cpu:0"], "breakdown": True},
+    "mg1": {"mode": "solo", "devices": ["cpu:0"], "breakdown": True},
+    "mg2": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True},
+    "ddp": {"mode": "ddp", "devices": ["cpu:0", "cpu:1"]},
+    "keras-ddp": {"mode": "keras-ddp", "devices": ["cpu:0", "cpu:1"]},
+}
+
+
+def run_case(case: str, steps_scale: float, configs: list[str]) -> dict:
+    model, width, batch, steps = case.split(":")
+    out = {"model": model, "width": float(width), "batch": int(batch), "runs": {}}
+    for name in configs:
+        cfg = dict(CONFIGS[name], model=model, width=float(width), batch=int(batch),
+                   steps=max(4, round(int(steps) * steps_scale)), warmup=3, seed=0)
+        t0 = time.monotonic()
+        result = run_config(cfg, timeout=900, stream=False)
+        out["runs"][name] = {"samples_per_second": result["samples_per_second"],
+                             "breakdown": result.get("breakdown"), "seconds": time.monotonic() - t0}
+        print(f"  {case:22s} {name:10s} {result['samples_per_second']:9.1f} samples/s", flush=True)
+    return out
+
+
+def ratio_table(results: list[dict]) -> str:
+    lines = ["| model | batch | mg2 / single | mg2 / ddp | mg2 / keras-ddp | mg1 / single "
+             "| samples/s single, mg2, ddp |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        s = {k: v["samples_per_second"] for k, v in r["runs"].items()}
+        lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | {s['mg2'] / s['single']:.2f}x | "
+                     f"{s['mg2'] / s['ddp']:.2f}x | {s['mg2'] / s['keras-ddp']:.2f}x | {s['mg1'] / s['single']:.2f}x | "
+                     f"{s['single']:.0f}, {s['mg2']:.0f}, {s['ddp']:.0f} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(results: list[dict]) -> str:
+    columns = [*PHASES, "rest of the step", "Keras loop, data, callbacks", "wall"]
+    lines = ["| model, batch | run | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+    for r in results:
+        for name in ("single", "mg1", "mg2"):
+            b = r["runs"][name]["breakdown"]
+            if b:
+                lines.append(f"| {r['model']} {r['batch']} | {name} | " + " | ".join(f"{b[c]:.2f}" for c in columns)
+                             + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", nargs="+", default=CASES, help="model:width:batch[:steps]")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
+    p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead.json"))
+    a = p.parse_args()
+    configs = a.configs.split(",")
+    start = time.monotonic()
+    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
+    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs) for c in a.cases]
+    if set(CONFIGS) <= set(configs):
+        print("\n" + ratio_table(results))
+    print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))
+    print(f"\n{(time.monotonic() - start) / 60:.1f} min on {platform.node()}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
