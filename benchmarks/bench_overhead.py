@@ -37,8 +37,8 @@ from multigpu.bench.runs import run_config  # noqa: E402
 # model, width, global batch, timed steps (the table, plus gru and convnet)
 CASES = ["mlp:0.5:64:80", "mlp:0.5:512:30", "dense41m:1:256:8", "gru:1:64:40", "convnet:0.25:256:12"]
 CONFIGS = {
-    "single": {"mode": "single", "devices": ["cpu:0"], "breakdown": True},
-    "mg1": {"mode": "solo", "devices": ["cpu:0"], "breakdown": True},
+    "single": {"mode": "single", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
+    "mg1": {"mode": "solo", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
     "mg2": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True},
     "ddp": {"mode": "ddp", "devices": ["cpu:0", "cpu:1"]},
     "keras-ddp": {"mode": "keras-ddp", "devices": ["cpu:0", "cpu:1"]},

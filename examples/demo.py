@@ -16,8 +16,11 @@ screen, so that it finishes in a few minutes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +32,29 @@ import numpy as np
 import multigpu
 from multigpu.bench.models import convnet
 from multigpu.devices import cuda_device_count
+
+ALONE_STEPS = 12  # timed steps of the one-device run (after 3 untimed ones)
+# On a CPU: chosen by benchmarks/bench_demo.py (see benchmarks/RESULTS.md) so that two devices pay.
+DEFAULTS = {"cpu_width": 0.25, "batch": 256, "rows": 40000, "epochs": 2}
+
+
+def build_model(width: float) -> keras.Model:
+    """The convnet, with BatchNormalization's moving statistics following the batches faster (momentum 0.9).
+
+    A two-epoch run has about 280 steps; at Keras's default momentum (0.99) the
+    moving statistics still lag then, and the evaluated loss is several times the
+    training loss, in plain Keras as under multigpu.
+    """
+    model = convnet(width=width)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.momentum = 0.9
+    return model
+
+
+def compile_model(model: keras.Model) -> None:
+    """Adam at 2e-3: at a global batch of 256 it reaches 0.89 in two short epochs (RMSprop at 1e-3 does not)."""
+    model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="categorical_crossentropy", metrics=["accuracy"])
 
 
 def default_devices() -> tuple[list[str], str]:
@@ -58,26 +84,51 @@ def load_data(rows: int, say):
     return prep(x), keras.utils.to_categorical(y, 10), prep(xt), keras.utils.to_categorical(yt, 10)
 
 
-def one_device_rate(width: float, batch: int, cores: list[int]) -> float:
-    """Samples/s of the same network on one full-speed device, alone."""
-    from multigpu.bench.runs import run_config
+ONE_DEVICE_VAR = "MULTIGPU_DEMO_ONE_DEVICE"  # the rate of one device alone, measured before the ranks start
 
-    result = run_config({"mode": "solo", "model": "convnet", "width": width, "devices": ["cpu:0"],
-                         "batch": batch, "ratios": None, "steps": 6, "warmup": 2, "cores": cores},
-                        stream=False)
-    return result["samples_per_second"]
+
+def one_device_rate(a: argparse.Namespace) -> float:
+    """Samples/s of plain Keras ``fit`` on one full-speed core: same model, data and batch, in a subprocess."""
+    with tempfile.TemporaryDirectory(prefix="demo-alone-") as tmp:
+        out = Path(tmp) / "alone.json"
+        command = [sys.executable, os.path.abspath(__file__), "--alone", str(out), "--width", str(a.width),
+                   "--batch-size", str(a.batch_size), "--rows", str(a.rows)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIGPU_")}
+        env.update(OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+        subprocess.run(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0}), check=True)
+        return float(json.loads(out.read_text())["samples_per_second"])
+
+
+def train_alone(a: argparse.Namespace) -> None:
+    """``--alone``: the first ``ALONE_STEPS`` steps of the same training, plain Keras, one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    keras.utils.set_random_seed(0)
+    x, y, _, _ = load_data(a.rows, lambda *_: None)
+    model = build_model(a.width)
+    compile_model(model)
+    meter = Throughput(a.batch_size)
+    rows = a.batch_size * (ALONE_STEPS + 3)
+    model.fit(x[:rows], y[:rows], batch_size=a.batch_size, epochs=1, callbacks=[meter], verbose=0)
+    Path(a.alone).write_text(json.dumps({"samples_per_second": meter.rate()}))
 
 
 class Throughput(keras.callbacks.Callback):
-    def __init__(self, batch: int) -> None:
+    """Samples/s of the training steps of the last epoch (validation and the epoch's first steps left out)."""
+
+    def __init__(self, batch: int, skip: int = 3) -> None:
         super().__init__()
-        self.batch, self.times = batch, []
+        self.batch, self.skip, self.times = batch, skip, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.times = []
 
     def on_train_batch_end(self, step, logs=None):
         self.times.append(time.perf_counter())
 
     def rate(self) -> float:
-        t = self.times[3:]  # after calibration and warm-up
+        t = self.times[self.skip:]  # after calibration and warm-up
         return self.batch * (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
 
 
@@ -100,35 +151,79 @@ def plot(path: Path, labels, rates, total: float, one: float) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--devices", default=None, help="comma-separated (default: see above)")
     p.add_argument("--ratios", default="auto")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--rows", type=int, default=None, help="training rows (default: all 60000)")
-    p.add_argument("--batch-size", type=int, default=128,
-                   help="global batch (128: enough steps for BatchNorm's moving statistics in 2 epochs)")
-    p.add_argument("--width", type=float, default=None, help="filter scale (default: 1 on GPU, 0.25 on CPU)")
+    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
+    p.add_argument("--rows", type=int, default=DEFAULTS["rows"], help="training rows (at most 60000)")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch"], help="global batch")
+    p.add_argument("--width", type=float, default=None,
+                   help=f"filter scale (default: 1 on GPU, {DEFAULTS['cpu_width']:g} on CPU)")
     p.add_argument("--out", default="demo-output")
+    p.add_argument("--alone", default=None, help=argparse.SUPPRESS)  # the one-device run's result file
     a = p.parse_args()
+    if a.epochs < 1 or a.rows < a.batch_size or a.batch_size < 2:
+        p.error(f"need --epochs >= 1, --batch-size >= 2 and --rows >= --batch-size. Received: --epochs {a.epochs} "
+                f"--rows {a.rows} --batch-size {a.batch_size}")
+    a.width = a.width or (1.0 if cuda_device_count() else DEFAULTS["cpu_width"])
+    return a
+
+
+def report(state, batch: int, total: float, one: float | None) -> None:
+    """Shares, each device's speed in the run beside alone, the total and the speedup, with what it measured."""
+    last = (state.last_report or {}).get("devices") or []
+    shares = state.shares(batch)
+    print(f"\n{'device':<12}{'share':>7}{'batch':>7}{'computing':>11}{'alone':>9}{'waiting':>9}")
+    for i, (dev, s) in enumerate(zip(state.devices, shares)):
+        row = last[i] if i < len(last) else {}
+        step = (row.get("compute", 0) + row.get("wait", 0)) or 1.0
+        alone = f"{one * dev.speed:.0f}" if one else "-"
+        print(f"{dev.label:<12}{s / batch:>7.0%}{s:>7}{row.get('compute_samples_per_second', 0):>9.0f}/s"
+              f"{alone:>7}/s{row.get('wait', 0) / step:>9.0%}")
+    print(f"{'total':<12}{'100%':>7}{batch:>7}{total:>9.0f}/s  (training steps of the last epoch, end to end)")
+    print("(computing: samples/s while computing in this run; alone: one full-speed device alone, measured "
+          "before training, times the device's speed factor)")
+    if not one:
+        return
+    ideal = sum(d.speed for d in state.devices)
+    speedup = total / one
+    computing = sum(r.get("compute_samples_per_second", 0) for r in last)
+    waiting = max((r.get("wait", 0) / ((r.get("compute", 0) + r.get("wait", 0)) or 1.0) for r in last), default=0)
+    where = (f"the devices computed at {computing / (one * ideal):.0%} of their speed alone (the cores share "
+             f"caches and memory bandwidth), waited up to {waiting:.0%} of a step, and the rest is per-step work")
+    if speedup >= 1.0:
+        print(f"speedup: {speedup:.2f}x against one full-speed device alone ({one:.0f} samples/s, same model, data "
+              f"and batch); the speed factors add up to {ideal:.2f}: {where}.")
+    else:
+        print(f"no speedup on this machine: the {len(state.devices)} devices ran {total:.0f} samples/s, one "
+              f"full-speed device alone {one:.0f} ({speedup:.2f}x). Measured: {where}. A larger --batch-size or "
+              "--width gives each step more work per byte and per step, which is when devices pay.")
+
+
+def main() -> int:
+    a = parse_args()
+    if a.alone:
+        train_alone(a)
+        return 0
     on_gpu = cuda_device_count() > 0
     devices, why = (a.devices.split(","), "as asked") if a.devices else default_devices()
-    width = a.width or (1.0 if on_gpu else 0.25)
-    rows = a.rows or 60000
     say = print if multigpu.rank() == 0 else (lambda *_: None)
-    one = None
-    if multigpu.rank() == 0 and multigpu.world_size() == 1 and os.environ.get("MULTIGPU_RANK") is None:
+    if multigpu.rank() == 0 and os.environ.get("MULTIGPU_RANK") is None and ONE_DEVICE_VAR not in os.environ:
+        # Before parallelize: here, in the process that starts the ranks, so nothing else runs meanwhile.
         say(f"devices: {', '.join(devices)} ({why})")
         if not on_gpu:
-            say(f"on CPU: network width {width:g} (filters scaled), {rows} training rows, {a.epochs} epoch(s)")
-            say("measuring one full-speed device alone for the speedup ...")
-            one = one_device_rate(width, a.batch_size, [0])
+            say(f"on CPU: network width {a.width:g} (filters scaled), {a.rows} training rows, {a.epochs} epoch(s), "
+                f"global batch {a.batch_size}")
+            say(f"measuring one full-speed device alone ({ALONE_STEPS} steps of the same training) ...")
+            os.environ[ONE_DEVICE_VAR] = f"{one_device_rate(a):.3f}"
+    one = float(os.environ.get(ONE_DEVICE_VAR, "0")) or None
     keras.utils.set_random_seed(0)
-    model = convnet(width=width)
+    model = build_model(a.width)
     ratios = None if a.ratios == "auto" else [float(r) for r in a.ratios.split(",")]
     model = multigpu.parallelize(model, devices=devices, ratios=ratios if ratios else "auto")
-    model.compile(optimizer="rmsprop", loss="categorical_crossentropy", metrics=["accuracy"])
-    x, y, xt, yt = load_data(rows, say)
+    compile_model(model)
+    x, y, xt, yt = load_data(a.rows, say)
     meter = Throughput(a.batch_size)
     model.fit(x, y, batch_size=a.batch_size, epochs=a.epochs, validation_split=0.1,
               callbacks=[meter], verbose=2 if multigpu.rank() == 0 else 0)
@@ -141,18 +236,9 @@ def main() -> int:
         return 0
     state = multigpu.state(model)
     total = meter.rate()
-    shares = state.shares(a.batch_size)
-    rates = [total * s / a.batch_size for s in shares]
-    print(f"\n{'device':<12}{'share':>8}{'batch':>8}{'samples/s':>12}")
-    for dev, s, r in zip(state.devices, shares, rates):
-        print(f"{dev.label:<12}{s / a.batch_size:>8.0%}{s:>8}{r:>12.1f}")
-    print(f"{'total':<12}{'100%':>8}{a.batch_size:>8}{total:>12.1f}")
-    if one:
-        ideal = sum(d.speed for d in state.devices)
-        print(f"one full-speed device alone: {one:.1f} samples/s -> speedup {total / one:.2f}x "
-              f"(the speed factors add up to {ideal:.2f}; on a CPU the smaller local batches "
-              "also run faster per sample)")
+    report(state, a.batch_size, total, one)
     print(f"test accuracy: {acc:.4f} (loss {loss:.4f})")
+    rates = [total * s / a.batch_size for s in state.shares(a.batch_size)]
     plot(out / "throughput.png", [d.label for d in state.devices], rates, total, one or float("nan"))
     print(f"saved the model to {out / 'fashion_convnet.keras'} and the plot to {out / 'throughput.png'}")
     return 0

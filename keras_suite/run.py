@@ -151,11 +151,19 @@ def markdown(rows: list[tuple[str, str, str]], command: str, seconds: float, dev
     for f in files:
         out.append(f"| `{f}` | " + " | ".join(str(by_file[(f, c)]) for c in classes) + " |")
     out.append("| **all** | " + " | ".join(f"**{counts[c]}**" for c in classes) + " |")
-    for cls in ("failed", "not applicable"):
-        listed = [(t, r) for t, c, r in rows if c == cls]
-        if listed:
-            out += ["", f"## {cls} ({len(listed)})", ""]
-            out += [f"- `{t.split('keras/src/')[-1]}`: {r.replace('|', '/')}" for t, r in listed]
+    failed = [(t, r) for t, c, r in rows if c == "failed"]
+    if failed:
+        out += ["", f"## Failed ({len(failed)})", ""]
+        out += [f"- `{t.split('keras/src/')[-1]}`: {r.replace('|', '/')}" for t, r in failed]
+    reasons = Counter(r for _, c, r in rows if c == "not applicable")
+    if reasons:
+        out += ["", f"## Not applicable ({sum(reasons.values())}), by the plain run's reason", "",
+                "| tests | reason |", "|---:|---|"]
+        out += [f"| {n} | {r.replace('|', '/')} |" for r, n in reasons.most_common()]
+    passed = [t for t, c, _ in rows if c == "passed"]
+    if passed:
+        out += ["", f"## Passed through multigpu ({len(passed)})", ""]
+        out += [f"- `{t.split('keras/src/')[-1]}`" for t in passed]
     return "\n".join(out) + "\n"
 
 

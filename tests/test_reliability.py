@@ -93,6 +93,8 @@ FAILURES = {
                  r"rank 0 summed 4 gradients", 20),
     "sleep": (r"rank 0 \(CPU:0\): summing gradients failed: TimeoutError: rank\(s\) \[1\] did not reach the "
               r"collective within 8 s", 8 + 12),
+    "catch": (r"rank 0 \(CPU:0\): .*TimeoutError: rank\(s\) \[1\] did not reach the collective within 8 s", 8 + 12),
+    "extra_call": (r"the ranks' collectives did not match", 20),
     "hang_exit": (r"rank 1 \(CPU:1\) failed and did not end; stopped it: RuntimeError: rank 1 fails, then hangs "
                   r"at exit", 20),
     "nan_logs": (r"the step logged 'vector' with shape \(3,\); logs must be metrics", 20),
@@ -109,5 +111,6 @@ def test_every_failure_ends_the_run_within_its_timeout(runner, mode):
     assert res.returncode == 1, res.stdout
     assert re.search(pattern, res.stdout), res.stdout[-3000:]
     assert "finished training" not in res.stdout
+    assert "caught" not in res.stdout  # a collective's timeout is not an exception for the script
     assert took < limit + 15, took  # start-up (about 10 s on 2 cores) plus the limit
     assert runner.leftovers() == []
