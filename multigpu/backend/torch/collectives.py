@@ -89,7 +89,12 @@ class Comm:
         except Exception as exc:
             from multigpu.runtime import fail
 
-            fail(f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
+                first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
+                         f"(gloo: {first.rsplit('] ', 1)[-1]})")
+                fail(f"{what} failed: TimeoutError: {first}")
+            fail(f"{what} failed: {type(exc).__name__}: {first}")
 
     # ------------------------------------------------------- the step's sum
     def buffer(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
