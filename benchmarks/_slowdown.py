@@ -37,7 +37,6 @@ def main() -> None:
     spec = get_model(a.model)
     model = multigpu.parallelize(spec.build(a.width), profile=a.out + ".profile.json", recalibrate=True)
     spec.compile(model)
-    state = multigpu.state(model)
     quota = None
     if multigpu.rank() == 1:
         quota = CpuQuota(1.0, len(os.sched_getaffinity(0)))
@@ -47,7 +46,7 @@ def main() -> None:
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             ends.append(time.perf_counter())
-            shares.append(list(state.shares(a.batch)))
+            shares.append(list(multigpu.state(model).shares(a.batch)))  # a snapshot: read it anew
             if quota is not None and len(ends) == a.slow_after:
                 quota.set_fraction(a.fraction)
 

@@ -118,7 +118,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", nargs="+", default=CASES, help="model:width:batch (model: built-in or file.py:fn)")
+    p.add_argument("--cases", nargs="*", default=CASES, help="model:width:batch (model: built-in or file.py:fn)")
     p.add_argument("--seconds", type=float, default=8.0, help="timed seconds per configuration (about)")
     p.add_argument("--no-slowdown", action="store_true", help="skip the mid-run slowdown run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "balance.json"))

@@ -131,3 +131,16 @@ def test_caps_are_respected_while_searching():
     true, search, speeds = simulate(speeds=(100, 300), start=(0.5, 0.5), caps=caps, windows=50)
     assert capped_split(128, search.ratios, caps)[1] <= 30
     assert sum(true[-10:]) / 10 >= 0.95 * best_throughput(speeds, caps=caps)
+
+
+@pytest.mark.parametrize("at", [2, 3, 4, 5, 6, 7])
+def test_a_slowdown_during_the_search_is_not_mistaken_for_bad_moves(at):
+    # The slowdown lands while a move is being measured: judged against the throughput from before it,
+    # every move looks bad; the search must notice that its baseline fell and search again.
+    for seed in range(4):
+        true, search, speeds = simulate(speeds=(200, 200), start=(0.5, 0.5), windows=60, change=(at, (200, 100)),
+                                        seed=seed, noise=0.01)
+        best = best_throughput(speeds)
+        recovered = next((i for i in range(at, 60) if true[i] >= 0.9 * best), None)
+        assert recovered is not None and recovered - at <= 10, (seed, recovered)
+        assert sum(true[-10:]) / 10 >= 0.95 * best, (seed, search.ratios)

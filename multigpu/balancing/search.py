@@ -9,6 +9,9 @@ in bursts, and communication competes with compute.  So the speeds only
 * a move that pays is kept, and the next one goes further the same way;
 * a move that does not pay is undone; when both ways have failed at a step
   size the step is halved, until it is below one sample (the search settles);
+* while searching, the kept shares are measured again between moves; when
+  they run far from before (a device changed speed mid-search, and every
+  move would be judged against a stale figure) the search starts again;
 * once settled, the search watches: a drop of the throughput at the kept
   shares (well beyond the measured noise), or a large imbalance of the
   compute speeds, starts it again, first with a jump to the shares the speeds
@@ -199,6 +202,8 @@ class ShareSearch:
         throughput = window.throughput
         if self._trial is not None:
             return self._judge(throughput)
+        if not self.settled and self._base_runs and self._shifted(throughput):
+            return self._rebase(throughput)
         if self._base_runs:
             last = self._base_runs[-1]
             self._noise.append(abs(throughput - last) / max((throughput + last) / 2, 1e-12))
@@ -208,6 +213,24 @@ class ShareSearch:
         if len(self._base_runs) < 2 and not self._noise:
             return []  # two windows first: one to warm up, one to compare
         return self._propose()
+
+    def _shifted(self, throughput: float) -> bool:
+        """True when the kept shares now run far from what they ran before (the devices changed speed)."""
+        before = self._base_throughput()
+        return abs(throughput - before) > before * max(0.08, 4 * self.noise())
+
+    def _rebase(self, throughput: float) -> list[Event]:
+        """The devices changed speed during the search: moves judged since then compared against a stale
+        throughput, so the search starts again from the kept shares, measured anew."""
+        before = self._base_throughput()
+        self._base_runs = [throughput]
+        self.step = self.first_step
+        self._tried.clear()
+        self._momentum = None
+        self._jumped = False
+        why = "throughput at the kept shares " + ("fell" if throughput < before else "rose")
+        return [Event("restart", tuple(self.ratios), tuple(self.ratios), before, throughput, why),
+                *self._propose()]
 
     def _propose(self) -> list[Event]:
         pair, proposal, imbalance = self._model()
