@@ -11,7 +11,8 @@ in bursts, and communication competes with compute.  So the speeds only
   size the step is halved, until it is below one sample (the search settles);
 * while searching, the kept shares are measured again between moves; when
   they run far from before (a device changed speed mid-search, and every
-  move would be judged against a stale figure) the search starts again;
+  move would be judged against a stale figure) moves are judged against the
+  new figure, and a jump to the shares the speeds call for may be tried again;
 * once settled, the search watches: a drop of the throughput at the kept
   shares (well beyond the measured noise), or a large imbalance of the
   compute speeds, starts it again, first with a jump to the shares the speeds
@@ -74,7 +75,7 @@ class Event:
     Attributes:
         kind: ``"probe"`` (trying ``after``), ``"jump"`` (trying the shares the
             compute speeds call for), ``"keep"``, ``"undo"``, ``"settle"``,
-            ``"restart"``.
+            ``"restart"``, ``"rebase"`` (the kept shares were measured anew).
         before: the shares before the decision.
         after: the shares after it.
         throughput_before: samples/s at ``before`` (0 when not measured).
@@ -220,17 +221,18 @@ class ShareSearch:
         return abs(throughput - before) > before * max(0.08, 4 * self.noise())
 
     def _rebase(self, throughput: float) -> list[Event]:
-        """The devices changed speed during the search: moves judged since then compared against a stale
-        throughput, so the search starts again from the kept shares, measured anew."""
+        """The kept shares run far from before: later moves are judged against the new figure.
+
+        Either a device changed speed during the search (then the compute
+        speeds are out of balance and the search may jump to the shares they
+        call for, judged like any move), or the machine is noisy (then only the
+        figure is renewed: the search goes on where it was).
+        """
         before = self._base_throughput()
         self._base_runs = [throughput]
-        self.step = self.first_step
-        self._tried.clear()
-        self._momentum = None
         self._jumped = False
         why = "throughput at the kept shares " + ("fell" if throughput < before else "rose")
-        return [Event("restart", tuple(self.ratios), tuple(self.ratios), before, throughput, why),
-                *self._propose()]
+        return [Event("rebase", tuple(self.ratios), tuple(self.ratios), before, throughput, why), *self._propose()]
 
     def _propose(self) -> list[Event]:
         pair, proposal, imbalance = self._model()
