@@ -37,11 +37,11 @@ def main() -> int:
     start = time.monotonic()
     rates: dict[str, list[float]] = {"builtin": [], "custom": []}
     for i in range(a.rounds):
-        for name in rates:
+        for name, got in rates.items():
             cfg = {"mode": "multigpu", "model": f"{MODEL}:{name}", "width": 1.0, "batch": a.batch,
                    "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "steps": a.steps, "warmup": 3, "seed": 0}
             rate = float(run_config(cfg, timeout=900, stream=False)["samples_per_second"])
-            rates[name].append(rate)
+            got.append(rate)
             print(f"[{time.monotonic() - start:4.0f} s] round {i + 1} {name}: {rate:.1f} samples/s", flush=True)
     medians = {k: statistics.median(v) for k, v in rates.items()}
     extra = medians["builtin"] / medians["custom"] - 1
