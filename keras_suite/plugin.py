@@ -85,6 +85,14 @@ class Recorder:
         if kept is None or kept[0] == "passed":
             self.outcome[report.nodeid] = outcome
 
+    def pytest_collectreport(self, report):
+        """A test file that cannot be imported (it needs TensorFlow, say) counts as one failed entry."""
+        if report.failed:
+            line = json.dumps({"id": report.nodeid, "outcome": "failed", "reached": False,
+                               "reason": f"cannot be collected: {_last_line(report)}"[:300]})
+            with open(self.progress, "a") as f:
+                f.write(line + "\n")
+
     def pytest_runtest_logfinish(self, nodeid, location):
         outcome, reason = self.outcome.pop(nodeid, ("failed", "no report"))
         line = json.dumps({"id": nodeid, "outcome": outcome, "reached": self.reached, "reason": reason[:300]})

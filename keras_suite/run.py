@@ -62,7 +62,7 @@ def plain_run(files: list[str], out: Path) -> list[dict]:
     code = ("import sys, pytest; from pathlib import Path; from plugin import Recorder; "
             "r = Recorder(Path(sys.argv[1]), None, None, 0); r.install(); "
             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-o', 'addopts=', '-W', 'ignore', "
-            "'--basetemp', sys.argv[2], *sys.argv[3:]], plugins=[r]))")
+            "'--continue-on-collection-errors', '--basetemp', sys.argv[2], *sys.argv[3:]], plugins=[r]))")
     subprocess.run([sys.executable, "-c", code, str(out / "plain.jsonl"), str(out / "tmp-plain"), *files],
                    env=child_env(), stdout=subprocess.DEVNULL, check=False)
     return read_progress(out / "plain.jsonl")
