@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,17 @@ class Recorder:
                 return str(path)
 
             test_case.TestCase.get_temp_dir = get_temp_dir
+
+            def mkdtemp(suffix=None, prefix=None, dir=None) -> str:
+                # One path for every rank (ranks make the same calls in the same order), as a script that
+                # runs on every rank names one folder: rank 1 reads what rank 0's callbacks wrote there.
+                recorder.temp_calls += 1
+                name = re.sub(r"[^A-Za-z0-9_.-]+", "_", recorder.current)[-120:]
+                path = self.shared_tmp / f"{name}-mkdtemp-{recorder.temp_calls}"
+                path.mkdir(parents=True, exist_ok=True)
+                return str(path)
+
+            tempfile.mkdtemp = mkdtemp
 
     # -------------------------------------------------------------- hooks
     @pytest.hookimpl(tryfirst=True)

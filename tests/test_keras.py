@@ -96,6 +96,10 @@ def test_callbacks_checkpoint_and_saved_model(runs):
     with open(folder / "log.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0][0] == "epoch" and len(rows) == len(r0["history"]["loss"]) + 1
+    # ... and it was complete, for every rank, when fit returned.
+    assert int(r0["csv_rows"]) == int(r1["csv_rows"]) == len(rows)
+    # A save Keras refuses raises its error on every rank, not on rank 0 alone.
+    assert ".keras" in r0["save_error"][0] and r0["save_error"] == r1["save_error"]
     # The best checkpoint is a plain Keras file: a process without multigpu
     # loads it and predicts what rank 0 predicted.
     code = (

@@ -109,12 +109,19 @@ class Loops:
         p.balancer.begin_fit(train.batch_size, p.signature)
         p.steps_per_epoch = steps_per_epoch or train.num_batches
         p.timing.break_continuity()
-        return self.keras["fit"](
+        history = self.keras["fit"](
             train, epochs=epochs, verbose=self._verbose(verbose),
             callbacks=[EpochHooks(p, train), *for_rank(callbacks, self.rank)], validation_data=val,
             shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
             validation_steps=validation_steps, validation_freq=validation_freq,
         )
+        self._ended("fit")
+        return history
+
+    def _ended(self, what: str) -> None:
+        """Returns once every rank has run its callbacks' end hooks: what rank 0's callbacks wrote at the end
+        (a CSV log closed, a backup deleted, a last checkpoint) is there when any rank goes on."""
+        self.parallel.comm.sum_floats([0.0], f"waiting for every rank to end {what}")
 
     # ------------------------------------------------------------- evaluate
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -127,8 +134,10 @@ class Loops:
                                           sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                           return_dict=return_dict, **kwargs)
         data = self._data(x, y, sample_weight, batch_size, False, 0, "evaluate", training=False)
-        return self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
-                                      callbacks=for_rank(callbacks, self.rank), return_dict=return_dict, **kwargs)
+        result = self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
+                                        callbacks=for_rank(callbacks, self.rank), return_dict=return_dict, **kwargs)
+        self._ended("evaluate")
+        return result
 
     # -------------------------------------------------------------- predict
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):

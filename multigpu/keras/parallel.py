@@ -14,6 +14,7 @@ shares, measured speeds, the last per-device report.
 
 from __future__ import annotations
 
+import builtins
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -117,9 +118,27 @@ class ParallelModel:
         _MODELS[self.model] = self
 
     def save(self, method: str, filepath, overwrite: bool = True, **kwargs):
-        """Keras's ``save``/``save_weights`` on rank 0, atomically; every rank returns once the file is there."""
-        result = atomic_save(self.keras[method], filepath, self.runtime.rank, overwrite, **kwargs)
-        self.comm.sum_floats([0.0], f"waiting for rank 0 to write {os.fspath(filepath)!r}")
+        """Keras's ``save``/``save_weights`` on rank 0, atomically; every rank returns once the file is there.
+
+        When Keras refuses the call on rank 0 (a wrong extension, an unknown
+        argument), every rank raises the same error.
+        """
+        error: Exception | None = None
+        result = None
+        try:
+            result = atomic_save(self.keras[method], filepath, self.runtime.rank, overwrite, **kwargs)
+        except Exception as exc:
+            error = exc
+        failed = self.comm.sum_floats([1.0 if error is not None else 0.0],
+                                      f"waiting for rank 0 to write {os.fspath(filepath)!r}")[0]
+        if failed:
+            described = self.comm.gather_objects(
+                None if error is None else (type(error).__name__, str(error)), "sharing a saving error")
+            if error is not None:
+                raise error
+            name, message = next(d for d in described if d is not None)
+            kind = getattr(builtins, name, None)
+            raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
         return result
 
     def summary(self, *args, **kwargs):

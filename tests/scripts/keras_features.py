@@ -63,6 +63,15 @@ def two_input(a):
     ]
     hist = model.fit(x, y, batch_size=32, epochs=8, validation_split=0.2, class_weight={0: 1.0, 1: 2.0, 2: 3.0},
                      callbacks=callbacks, verbose=0)
+    # fit returns once every rank has run its callbacks' end hooks: rank 0's CSV log is complete for rank 1.
+    with open(os.path.join(os.path.dirname(os.path.abspath(a.out)), "log.csv")) as f:
+        csv_rows = len(f.read().strip().splitlines())
+    # A save that Keras refuses (on rank 0, the rank that writes) raises the same error on every rank.
+    try:
+        model.save(os.path.join(os.path.dirname(os.path.abspath(a.out)), "model.notkeras"))
+        save_error = ""
+    except ValueError as exc:
+        save_error = str(exc)
     model.summary()
     probe = {"a": np.ones((4, 6), "float32"), "b": np.ones((4, 3), "float32")}
     pred = model.predict(probe, verbose=0)
@@ -71,6 +80,7 @@ def two_input(a):
     mask = keras.ops.convert_to_numpy(dropout(keras.ops.ones((64, 16)), training=True))
     lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
     save(a, rank, pred=pred, mask=mask, history=hist.history, lr=np.array(lr), probe_a=probe["a"], probe_b=probe["b"],
+         csv_rows=np.array(csv_rows), save_error=[save_error],
          weights_moving=np.concatenate([w.ravel() for w in model.get_weights()]))
 
 
