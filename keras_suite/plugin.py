@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,32 @@ class Recorder:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.devices is not None and self.reached:
+            self._resync(nodeid)
+
+    def _resync(self, nodeid: str) -> None:
+        """Ends the run when a test failed on some rank: that rank left the test early, skipping collectives
+        the others still make, so every later test would fail for it.  The runner starts again at the next
+        test (``resync`` in the output folder tells it that nothing ended the run by itself)."""
+        folder = self.progress.parent
+        deadline = time.monotonic() + 3 * self.timeout
+        outcomes: list[str] = []
+        while time.monotonic() < deadline:
+            outcomes = []
+            for r in range(len(self.devices or [])):
+                path = folder / f"rank{r}.jsonl"
+                lines = path.read_text().splitlines() if path.exists() else []
+                mine = [json.loads(ln)["outcome"] for ln in lines if ln.strip() and json.loads(ln)["id"] == nodeid]
+                outcomes.append(mine[-1] if mine else "")
+            if all(outcomes):
+                break
+            time.sleep(0.05)
+        if all(o in ("passed", "skipped") for o in outcomes) and all(outcomes):
+            return
+        (folder / "resync").write_text(nodeid)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
 
 
 def _last_line(report) -> str:

@@ -100,6 +100,8 @@ def test_callbacks_checkpoint_and_saved_model(runs):
     assert int(r0["csv_rows"]) == int(r1["csv_rows"]) == len(rows)
     # A save Keras refuses raises its error on every rank, not on rank 0 alone.
     assert ".keras" in r0["save_error"][0] and r0["save_error"] == r1["save_error"]
+    # keras.saving.save_model, called on every rank, wrote one file that every rank loaded with its own weights.
+    assert bool(r0["api_loaded"]) and bool(r1["api_loaded"])
     # The best checkpoint is a plain Keras file: a process without multigpu
     # loads it and predicts what rank 0 predicted.
     code = (

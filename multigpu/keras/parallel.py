@@ -24,7 +24,7 @@ from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
 from multigpu.keras.loops import Loops
-from multigpu.keras.saving import atomic_save
+from multigpu.keras.saving import atomic_save, route_public_saving
 from multigpu.planning.shares import capped_split
 
 __all__ = ["ParallelModel", "State", "register_single", "state"]
@@ -116,6 +116,7 @@ class ParallelModel:
         for name, method in methods.items():
             object.__setattr__(self.model, name, method)
         _MODELS[self.model] = self
+        route_public_saving(_is_parallel_model)
 
     def save(self, method: str, filepath, overwrite: bool = True, **kwargs):
         """Keras's ``save``/``save_weights`` on rank 0, atomically; every rank returns once the file is there.
@@ -157,6 +158,14 @@ class ParallelModel:
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps)
+
+
+def _is_parallel_model(model) -> bool:
+    """True for a model parallelized over several devices."""
+    try:
+        return isinstance(_MODELS.get(model), ParallelModel)
+    except TypeError:  # pragma: no cover - not weak-referenceable
+        return False
 
 
 def register_single(model, runtime) -> None:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_save"]
+__all__ = ["atomic_save", "route_public_saving"]
 
 
 def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **kwargs):
@@ -37,3 +37,35 @@ def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **
         if tmp.exists():
             tmp.unlink()
     return result
+
+
+def route_public_saving(is_parallel: Callable[[object], bool]) -> None:
+    """Makes ``keras.saving.save_model`` and ``keras.saving.save_weights`` (also ``keras.models.save_model``)
+    of a parallel model go through the model's own ``save``/``save_weights``: rank 0 writes, atomically, and
+    every rank waits for the file.  Keras's functions write directly, so without this every rank would
+    write the same file at once.  Other models are passed to Keras's functions unchanged.  Idempotent.
+    """
+    import keras
+
+    if getattr(keras.saving.save_model, "_multigpu_routed", False):
+        return
+    original_model, original_weights = keras.saving.save_model, keras.saving.save_weights
+
+    def save_model(model, filepath, overwrite=True, zipped=None, **kwargs):
+        extra = {} if zipped is None else {"zipped": zipped}
+        if is_parallel(model):
+            return model.save(filepath, overwrite=overwrite, **extra, **kwargs)
+        return original_model(model, filepath, overwrite=overwrite, **extra, **kwargs)
+
+    def save_weights(model, filepath, overwrite=True, **kwargs):
+        if is_parallel(model):
+            return model.save_weights(filepath, overwrite=overwrite, **kwargs)
+        return original_weights(model, filepath, overwrite=overwrite, **kwargs)
+
+    for fn, original in ((save_model, original_model), (save_weights, original_weights)):
+        fn.__doc__ = original.__doc__
+        fn._multigpu_routed = True  # type: ignore[attr-defined]
+    keras.saving.save_model = save_model
+    keras.saving.save_weights = save_weights
+    if getattr(keras.models, "save_model", None) is original_model:
+        keras.models.save_model = save_model

@@ -72,6 +72,11 @@ def two_input(a):
         save_error = ""
     except ValueError as exc:
         save_error = str(exc)
+    # keras.saving.save_model writes once too (rank 0, atomically), and every rank can load the file at once.
+    api_path = os.path.join(os.path.dirname(os.path.abspath(a.out)), "api.keras")
+    keras.saving.save_model(model, api_path)
+    api_loaded = all(np.array_equal(u, v) for u, v in zip(keras.saving.load_model(api_path).get_weights(),
+                                                           model.get_weights(), strict=True))
     model.summary()
     probe = {"a": np.ones((4, 6), "float32"), "b": np.ones((4, 3), "float32")}
     pred = model.predict(probe, verbose=0)
@@ -80,7 +85,7 @@ def two_input(a):
     mask = keras.ops.convert_to_numpy(dropout(keras.ops.ones((64, 16)), training=True))
     lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
     save(a, rank, pred=pred, mask=mask, history=hist.history, lr=np.array(lr), probe_a=probe["a"], probe_b=probe["b"],
-         csv_rows=np.array(csv_rows), save_error=[save_error],
+         csv_rows=np.array(csv_rows), save_error=[save_error], api_loaded=np.array(api_loaded),
          weights_moving=np.concatenate([w.ravel() for w in model.get_weights()]))
 
 
