@@ -132,7 +132,8 @@ def parallel_runs(tests: list[str], out: Path, devices: str, timeout: float, log
                                f"{proc.stdout[-3000:]}")
         if remaining:  # the test in progress ended the run
             lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "multigpu" in ln and "rank" in ln]
-            reason = lines[-1] if lines else f"the run ended with exit code {proc.returncode}"
+            # pytest's progress characters share the line with the supervisor's message
+            reason = lines[-1].lstrip(".FsExX") if lines else f"the run ended with exit code {proc.returncode}"
             results[remaining[0]] = {"outcome": "ended the run", "reason": reason[:300], "reached": True}
             log(f"  {remaining[0]} ended the run: {reason[:200]}")
             remaining = remaining[1:]

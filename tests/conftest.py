@@ -19,6 +19,10 @@ settings.register_profile("multigpu", deadline=None)
 settings.load_profile("multigpu")
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
+# The suite tests CPU devices, as CI has them; on a machine with a GPU, Keras would put this
+# process's tensors there and the scripts' plain references would run there (tests/test_cuda.py
+# is the GPU's own suite).
+os.environ.setdefault("KERAS_TORCH_DEVICE", "cpu")
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
@@ -49,9 +53,10 @@ def _default_sigint() -> None:
 class Runner:
     """Runs commands with the test environment; kills them on timeout."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, gpu: bool = False) -> None:
         self.tmp_path = tmp_path
         self.token = uuid.uuid4().hex
+        self.gpu = gpu
 
     def env(self, extra: dict | None = None) -> dict:
         env = dict(os.environ)
@@ -60,6 +65,8 @@ class Runner:
         env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    MULTIGPU_TEST_TOKEN=self.token, PYTHONWARNINGS="ignore",
                    MULTIGPU_PROFILE=str(self.tmp_path / "profiles.json"))
+        if not self.gpu:  # scripts see the machine CI has: no GPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
         env.update(extra or {})
         return env
 
@@ -104,8 +111,8 @@ def _own_profile(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def runner(tmp_path):
-    r = Runner(tmp_path)
+def runner(tmp_path, request):
+    r = Runner(tmp_path, gpu=request.node.get_closest_marker("cuda") is not None)
     yield r
     left = processes_with_token(r.token)
     for pid in left:

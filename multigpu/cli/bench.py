@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"baseline {name} ({BASELINES[name]}): {result['samples_per_second']:.1f} samples/s; "
               f"multigpu is {ratio:.2f}x", flush=True)
     single = summary["baselines"].get("single")
-    if single and main["samples_per_second"] < single["samples_per_second"]:
+    if single and n > 1 and main["samples_per_second"] < single["samples_per_second"]:
         print(f"note: at a global batch of {batch} the {n} devices are slower than one device alone "
               f"({main['samples_per_second']:.0f} against {single['samples_per_second']:.0f} samples/s): "
               "communication and per-step work cost more than they save. "

@@ -34,8 +34,9 @@ class EpochHooks(keras.callbacks.Callback):
     At the beginning: the epoch's row order (the same on every rank), and a
     break in step timing (the gap holds validation and callbacks).  At the
     end: BatchNorm statistics made equal on every rank (so that checkpoints
-    and validation see the same model everywhere) and the balancer's epoch
-    report.
+    and validation see the same model everywhere), rank 0's weights sent to
+    all where the ranks run on different kinds of processor, and the
+    balancer's epoch report.
     """
 
     def __init__(self, parallel, data) -> None:
@@ -49,4 +50,5 @@ class EpochHooks(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.parallel.steps.sync_batchnorm_statistics()
+        self.parallel.steps.realign_replicas()
         self.parallel.balancer.end_epoch(epoch)

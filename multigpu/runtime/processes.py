@@ -81,6 +81,9 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float, ru
     if ratios is not None:
         variables[env.RATIOS] = ratios
     dev = devices[rank]
+    # Keras's torch backend puts every tensor on its default device (the GPU, where there is one):
+    # each rank names its own, so a CPU rank beside a GPU computes on its cores.
+    variables["KERAS_TORCH_DEVICE"] = dev.spec.split("@")[0] if dev.is_cuda else "cpu"
     if not dev.is_cuda:
         variables["OMP_NUM_THREADS"] = str(max(1, len(dev.cores)))
     return variables

@@ -136,12 +136,13 @@ class Comm:
             dist.all_reduce(t)
         return t.tolist()
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0,
+                  what: str = "broadcasting the initial weights") -> None:
         """Copies rank ``src``'s tensors into every rank's (one flat broadcast per dtype)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        with self.fatal("broadcasting the initial weights"):
+        with self.fatal(what):
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
                 dist.broadcast(flat, src)

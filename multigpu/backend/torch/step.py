@@ -90,6 +90,7 @@ class TorchSteps:
         seeds = _compat.seed_variables(self.model)
         metric_ids = {id(v) for m in self.model.metrics for v in m.variables}
         state = [v for v in self.model.variables if id(v) not in metric_ids]
+        _move_to(self.model.variables, self.comm.device)
         self.comm.broadcast([v.value for v in state])
         with torch.no_grad():
             for v in seeds:  # Dropout must draw different numbers on each rank
@@ -265,9 +266,41 @@ class TorchSteps:
         self.metrics.invalidate()
         return self.keras_reset_metrics()
 
+    def realign_replicas(self) -> None:
+        """Rank 0's weights and optimizer state on every rank, when the ranks run on different kinds of processor.
+
+        Every rank applies the same summed gradient, but a GPU and a CPU round
+        the optimizer's arithmetic differently (fused multiply-adds, vector
+        widths), so their weights part by about 1e-7 a step.  Once an epoch
+        rank 0's copy is sent to all: saves, validation and the next epoch
+        start from one model.  Ranks on one kind of processor compute
+        bit-identical updates and skip this.
+        """
+        if len({d.kind for d in self.comm.runtime.devices}) < 2:
+            return
+        seen: set[int] = set()
+        variables = []
+        metric_ids = {id(v) for m in self.model.metrics for v in m.variables}
+        for v in [*self.model.variables, *(v for o in self._optimizers() for v in o.variables)]:
+            if id(v) not in seen and id(v) not in metric_ids:
+                seen.add(id(v))
+                variables.append(v)
+        self.comm.broadcast([v.value for v in variables], what="realigning the replicas")
+
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks by share (no-op with global statistics)."""
         if self.sync_batchnorm:
             return
         ratios = self.balancer.ratios
         average_statistics(self.model, self.comm, ratios[self.comm.rank] / sum(ratios))
+
+
+def _move_to(variables, device: torch.device) -> None:
+    """Puts variables built before this rank chose its GPU (under torchrun, every rank's on cuda:0) on it."""
+    if device.type != "cuda":
+        return
+    with torch.no_grad():
+        for v in variables:
+            value = v.value
+            if value.device != device:
+                value.data = value.data.to(device)

@@ -1,0 +1,80 @@
+"""The CUDA path: a GPU and a CPU device in one run (real processes).
+
+These tests need a CUDA GPU and are skipped (reported as skipped) on
+machines without one, as CI's.  One GPU is enough: the GPU rank and the CPU
+rank sum their gradients over gloo (NCCL needs every rank on a GPU of its
+own).  TF32 is off (``NVIDIA_TF32_OVERRIDE=0``) so that the GPU computes in
+float32 like the CPU, and the reference is plain Keras on the GPU.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import SCRIPTS
+from tests.test_exactness import load, max_relative_error
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.cuda,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ROWS = "193"
+# Two kinds of processor round differently (cuDNN's GRU, cuBLAS's sums): float32 rounding, not 1e-5.
+TOLERANCE = {"sgd": 1e-4, "adam": 1e-3}
+F32 = {"NVIDIA_TF32_OVERRIDE": "0", "KERAS_TORCH_DEVICE": "cuda"}
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain") / "plain.npz"
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", **F32}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    res = subprocess.run([sys.executable, str(SCRIPTS / "exactness.py"), str(out), "--plain", "--rows", ROWS],
+                         capture_output=True, check=False, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return load(out)
+
+
+@pytest.mark.parametrize("ratios", ["3,1", "1,3"])
+def test_a_gpu_and_a_cpu_device_reproduce_one_gpu(runner, gpu_reference, ratios):
+    # With 193 rows at batch 64 the last batch has one row: 3:1 leaves the CPU rank
+    # without rows, 1:3 the GPU rank.
+    out = runner.tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", "cuda:0,cpu:0", "--ratios", ratios, str(SCRIPTS / "exactness.py"),
+                     str(out), "--devices", "cuda:0,cpu:0", "--rows", ROWS, timeout=240, extra_env=F32)
+    assert res.returncode == 0, res.stdout
+    got = load(out)
+    for name, tolerance in TOLERANCE.items():
+        ref_weights, ref_history = gpu_reference[name]
+        weights, history = got[name]
+        assert max_relative_error(ref_weights, weights) <= tolerance, name
+        np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=tolerance)
+    other = load(f"{out}.rank1.npz")
+    for name in TOLERANCE:
+        assert max_relative_error(got[name][0], other[name][0]) == 0.0
+    assert runner.leftovers() == []
+
+
+def test_each_rank_computes_on_its_own_device(runner):
+    code = (
+        "import keras, multigpu, torch\n"
+        "m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+        "m = multigpu.parallelize(m, devices=['cuda:0', 'cpu:0'])\n"
+        "m.compile('sgd', 'mse')\n"
+        "import numpy as np\n"
+        "m.fit(np.ones((8, 4), 'float32'), np.ones((8, 2), 'float32'), batch_size=8, verbose=0)\n"
+        "print(f'rank {multigpu.rank()} on', m.weights[0].value.device.type, flush=True)\n"
+    )
+    script = runner.tmp_path / "where.py"
+    script.write_text(code)
+    res = runner.run([sys.executable, str(script)], timeout=180)
+    assert res.returncode == 0, res.stdout
+    assert "rank 0 on cuda" in res.stdout and "rank 1 on cpu" in res.stdout, res.stdout
+    assert runner.leftovers() == []
