@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from multigpu.keras.data import ShardedData, input_kind, num_rows, source_for, validation_split
+from multigpu.keras.data import ShardedData, input_kind, num_rows, validation_split
+from multigpu.keras.sources import source_for
 from multigpu.planning import StepPlanner, split
 
 RATIOS = [3.0, 1.0]

@@ -14,7 +14,8 @@ import numpy as np
 
 from multigpu.keras import _compat
 from multigpu.keras.callbacks import EpochHooks, for_rank
-from multigpu.keras.data import ShardedData, input_kind, num_rows, source_for, validation_split
+from multigpu.keras.data import ShardedData, input_kind, num_rows, validation_split
+from multigpu.keras.sources import source_for
 
 __all__ = ["Loops"]
 
