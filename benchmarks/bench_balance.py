@@ -1,6 +1,6 @@
 """Automatic shares against the best hand-tuned ratio, on several models and batches, side by side.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~25 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~45 min
     ... benchmarks/bench_balance.py --cases convnet:0.25:256 --no-slowdown                         # one case
 
 Devices ``cpu:0`` and ``cpu:1@0.5`` (rank 1 under a cgroup CPU quota of half a core: needs root).
@@ -12,6 +12,9 @@ processes (``multigpu.bench.runs.run_config``):
 * **auto**: ``ratios="auto"`` with a fresh profile (calibration at the first step) and online
   rebalancing; its first steps (calibration and the search) are not timed, the steady rate after
   them is.
+
+Every configuration runs the same number of untimed steps before its timed window (the auto
+run's search length), so that no configuration is timed colder than another.
 
 It reports auto / best grid point and auto / equal for each case.  The cases are the built-in
 convnet, mlp and gru, each at two global batches, and ``benchmarks/outside_model.py``, a model
@@ -49,10 +52,14 @@ def parse_case(case: str) -> tuple[str, float, int]:
     return model, float(width), int(batch)
 
 
-def rate(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> float:
+def run(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> dict:
     cfg = {"mode": "multigpu", "model": model, "width": width, "batch": batch, "devices": DEVICES,
            "ratios": ratios, "steps": steps, "warmup": warmup, "seed": 0}
-    return float(run_config(cfg, timeout=900, stream=False)["samples_per_second"])
+    return run_config(cfg, timeout=900, stream=False)
+
+
+def rate(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> float:
+    return float(run(model, width, batch, ratios, steps, warmup)["samples_per_second"])
 
 
 def run_case(case: str, seconds: float, log) -> dict:
@@ -63,19 +70,24 @@ def run_case(case: str, seconds: float, log) -> dict:
     steps = int(min(300, max(10, seconds / step_time)))
     # The search needs a few windows of >= 1.5 s each; the auto run's untimed start covers them.
     search_steps = int(min(600, max(40, 40 / step_time)))
-    equal = rate(model, width, batch, [1, 1], steps, 3)
-    log(f"{name} {batch}: equal {equal:.1f}/s ({steps} timed steps of {step_time * 1e3:.0f} ms)")
+    # Every configuration gets the same untimed start as the auto run's search, so that a fixed share
+    # is not timed earlier in its run (colder) than auto is.
+    equal = rate(model, width, batch, [1, 1], steps, search_steps)
+    log(f"{name} {batch}: equal {equal:.1f}/s ({steps} timed steps of {step_time * 1e3:.0f} ms "
+        f"after {search_steps} untimed)")
     grid = {}
     for share in GRID:
-        grid[share] = rate(model, width, batch, [share, 1 - share], steps, 3)
+        grid[share] = rate(model, width, batch, [share, 1 - share], steps, search_steps)
         log(f"{name} {batch}: fixed {share:.2f} {grid[share]:.1f}/s")
-    auto = rate(model, width, batch, "auto", steps, search_steps)
+    result = run(model, width, batch, "auto", steps, search_steps)
+    auto = float(result["samples_per_second"])
+    shares = result.get("shares")
     best_share = max(grid, key=grid.get)
     log(f"{name} {batch}: auto {auto:.1f}/s = {auto / grid[best_share]:.3f} of the best fixed ({best_share:.2f}), "
-        f"{auto / equal:.2f}x equal")
+        f"{auto / equal:.2f}x equal; auto's shares at the end {shares}")
     return {"case": case, "model": name, "width": width, "batch": batch, "equal": equal, "grid": grid, "auto": auto,
             "best_share": best_share, "auto_over_best": auto / grid[best_share], "auto_over_equal": auto / equal,
-            "timed_steps": steps, "untimed_auto_steps": search_steps}
+            "timed_steps": steps, "untimed_steps": search_steps, "auto_shares": shares}
 
 
 def slowdown(best_at_half: float, log) -> dict:
