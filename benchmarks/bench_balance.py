@@ -55,7 +55,7 @@ def parse_case(case: str) -> tuple[str, float, int]:
 def run(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> dict:
     cfg = {"mode": "multigpu", "model": model, "width": width, "batch": batch, "devices": DEVICES,
            "ratios": ratios, "steps": steps, "warmup": warmup, "seed": 0}
-    return run_config(cfg, timeout=900, stream=False)
+    return run_config(cfg, timeout=900, stream=False, keep_log=True)
 
 
 def rate(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> float:
@@ -87,7 +87,8 @@ def run_case(case: str, seconds: float, log) -> dict:
         f"{auto / equal:.2f}x equal; auto's shares at the end {shares}")
     return {"case": case, "model": name, "width": width, "batch": batch, "equal": equal, "grid": grid, "auto": auto,
             "best_share": best_share, "auto_over_best": auto / grid[best_share], "auto_over_equal": auto / equal,
-            "timed_steps": steps, "untimed_steps": search_steps, "auto_shares": shares}
+            "timed_steps": steps, "untimed_steps": search_steps, "auto_shares": shares,
+            "auto_log": result.get("log", [])}
 
 
 def slowdown(best_at_half: float, log) -> dict:

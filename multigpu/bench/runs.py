@@ -19,6 +19,7 @@ timed).  The per-rank program is :mod:`multigpu.bench.worker`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -42,7 +43,7 @@ def _pinned(cores):
     return pre
 
 
-def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict:
+def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_log: bool = False) -> dict:
     """Runs one configuration in fresh processes and returns rank 0's result.
 
     Args:
@@ -50,6 +51,8 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
             ``ratios``, ``steps``, ``warmup``, ``print_every``.
         timeout: seconds before the run is stopped and reported as failed.
         stream: let rank 0 print its progress lines.
+        keep_log: (with ``stream=False``) return multigpu's own log lines
+            (calibration, share moves) as the result's ``log``.
 
     Raises:
         RuntimeError: when a rank fails or the run takes longer than ``timeout``.
@@ -59,7 +62,8 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
 
     if config["mode"] not in MODES:
         raise ValueError(f"unknown benchmark mode {config['mode']!r}; allowed: {', '.join(MODES)}")
-    with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="multigpu-bench-"))
         out = Path(tmp) / "result.json"
         cfg = dict(config, out=str(out))
         devices = assign_cores(parse_devices(config["devices"]), warn=False)
@@ -67,7 +71,9 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
                    str(Path(tmp) / "config.json")]
         env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
                    PYTHONWARNINGS="ignore")
-        stdout = None if stream else subprocess.DEVNULL
+        log_path = Path(tmp) / "output.txt"
+        log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
+        stdout = None if stream else (log_file or subprocess.DEVNULL)
         alone = config["mode"] in ("single", "solo", "calibrate")
         if alone:
             cfg["cores"] = list(config.get("cores") or devices[0].cores)
@@ -101,7 +107,11 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True) -> dict
                     time.sleep(0.05)
             finally:
                 group.stop(grace=3.0)
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        if log_file is not None:
+            log_file.flush()
+            result["log"] = [ln for ln in log_path.read_text().splitlines() if ln.startswith("multigpu:")]
+        return result
 
 
 def solo_devices_config(config: dict, shares: list[int]) -> list[dict]:
