@@ -8,16 +8,8 @@ evaluation and prediction it is not.  ``ShardedData`` is a Keras
 ``DataAdapter``, which Keras's ``fit``/``evaluate``/``predict`` take as it is,
 so Keras's own loop runs unchanged, once per global batch on every rank (an
 empty share is an empty batch), and callbacks fire as they would on one device.
-The global batches of each input form come from :mod:`multigpu.keras.sources`:
-
-* arrays and tensors (alone, in lists, tuples, dicts): global step ``i`` is
-  rows ``[i*B, (i+1)*B)`` of the data, of a permutation drawn from a seed rank
-  0 picked when shuffling; floats are cast to ``floatx`` as Keras does;
-* ``keras.utils.PyDataset``: every rank reads each global batch ``ds[i]``
-  (in a shared shuffled order) and keeps its share;
-* generators and ``torch.utils.data.DataLoader``: every rank iterates its own
-  copy and keeps its share of each batch (exact only if every copy yields the
-  same batches).
+The global batches of each input form (arrays, ``PyDataset``, generators and
+``DataLoader``) come from :mod:`multigpu.keras.sources`.
 """
 
 from __future__ import annotations
