@@ -1,20 +1,24 @@
 """Automatic shares against the best hand-tuned ratio, on several models and batches, side by side.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~45 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~40 min
     ... benchmarks/bench_balance.py --cases convnet:0.25:256 --no-slowdown                         # one case
 
 Devices ``cpu:0`` and ``cpu:1@0.5`` (rank 1 under a cgroup CPU quota of half a core: needs root).
 For every case (model:width:global batch), one configuration after another, each in fresh
 processes (``multigpu.bench.runs.run_config``):
 
-* **equal** shares (``ratios=[1, 1]``, no rebalancing);
-* a **grid** of fixed shares of the fast device, 0.55 to 0.80 in steps of 0.05 (no rebalancing);
+* a **grid** of fixed shares of the fast device, 0.50 (equal shares) to 0.95 in steps of 0.05,
+  timed in one process: after the untimed start, the shares move at step boundaries (the same
+  steps on every rank) through the grid and back, each point timed in a window of its own
+  (``--seconds``/2) twice; a point's rate is the mean of its two windows.  Timing every point in
+  one warm process, interleaved, keeps process-to-process noise (up to 40% between neighbouring
+  points when each ran in a process of its own) out of the comparison;
 * **auto**: ``ratios="auto"`` with a fresh profile (calibration at the first step) and online
-  rebalancing; its first steps (calibration and the search) are not timed, the steady rate after
-  them is.
+  rebalancing, ``--autos`` runs (2; the lower counts); its first steps (calibration and the
+  search) are not timed, the steady rate after them is (``--seconds``).
 
-Every configuration runs the same number of untimed steps before its timed window (the auto
-run's search length), so that no configuration is timed colder than another.
+The grid's process runs as many untimed steps before its first window as the auto run's search,
+so that no configuration is timed colder than another.
 
 It reports auto / best grid point and auto / equal for each case.  The cases are the built-in
 convnet, mlp and gru, each at two global batches, and ``benchmarks/outside_model.py``, a model
@@ -44,7 +48,7 @@ DEVICES = ["cpu:0", "cpu:1@0.5"]
 OUTSIDE = str(ROOT / "benchmarks" / "outside_model.py") + ":build"
 CASES = ["convnet:0.25:128", "convnet:0.25:256", "mlp:0.5:256", "mlp:0.5:1024", "gru:1:64", "gru:1:256",
          f"{OUTSIDE}:1:128"]
-GRID = [0.55, 0.60, 0.65, 0.70, 0.75, 0.80]
+GRID = [0.50, 0.55, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90, 0.95]
 
 
 def parse_case(case: str) -> tuple[str, float, int]:
@@ -52,43 +56,54 @@ def parse_case(case: str) -> tuple[str, float, int]:
     return model, float(width), int(batch)
 
 
-def run(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> dict:
+def run(model: str, width: float, batch: int, ratios, steps: int, warmup: int, **extra) -> dict:
     cfg = {"mode": "multigpu", "model": model, "width": width, "batch": batch, "devices": DEVICES,
-           "ratios": ratios, "steps": steps, "warmup": warmup, "seed": 0}
-    return run_config(cfg, timeout=900, stream=False, keep_log=True)
+           "ratios": ratios, "steps": steps, "warmup": warmup, "seed": 0, **extra}
+    return run_config(cfg, timeout=1800, stream=False, keep_log=True)
 
 
-def rate(model: str, width: float, batch: int, ratios, steps: int, warmup: int) -> float:
-    return float(run(model, width, batch, ratios, steps, warmup)["samples_per_second"])
+def sweep(model: str, width: float, batch: int, window: int, warmup: int, passes: int) -> dict[float, list[float]]:
+    """Samples/s of every grid point, timed in one warm process, ``passes`` times, each pass reversing the order."""
+    order = [s for p in range(passes) for s in (GRID if p % 2 == 0 else GRID[::-1])]
+    result = run(model, width, batch, [GRID[0], 1 - GRID[0]], len(order) * (window + 2) + 1, warmup,
+                 sweep=order, window_steps=window)
+    rates: dict[float, list[float]] = {s: [] for s in GRID}
+    for share, value in result["sweep"]:
+        rates[round(share, 2)].append(value)
+    return rates
 
 
-def run_case(case: str, seconds: float, log) -> dict:
+def run_case(case: str, seconds: float, autos: int, log) -> dict:
     model, width, batch = parse_case(case)
     name = "outside" if model == OUTSIDE else model
-    equal = rate(model, width, batch, [1, 1], 8, 2)
-    step_time = batch / equal
+    step_time = batch / float(run(model, width, batch, [1, 1], 8, 2)["samples_per_second"])
     steps = int(min(300, max(10, seconds / step_time)))
-    # The search needs a few windows of >= 1.5 s each; the auto run's untimed start covers them.
+    window = int(min(150, max(4, seconds / 2 / step_time)))
+    # The search needs a few windows of >= 1.5 s each; the auto run's untimed start covers them, and
+    # the grid's process gets the same untimed start, so that no configuration is timed colder.
     search_steps = int(min(600, max(40, 40 / step_time)))
-    # Every configuration gets the same untimed start as the auto run's search, so that a fixed share
-    # is not timed earlier in its run (colder) than auto is.
-    equal = rate(model, width, batch, [1, 1], steps, search_steps)
-    log(f"{name} {batch}: equal {equal:.1f}/s ({steps} timed steps of {step_time * 1e3:.0f} ms "
-        f"after {search_steps} untimed)")
-    grid = {}
+    rates = sweep(model, width, batch, window, search_steps, 2)
+    grid = {share: sum(v) / len(v) for share, v in rates.items() if v}
     for share in GRID:
-        grid[share] = rate(model, width, batch, [share, 1 - share], steps, search_steps)
-        log(f"{name} {batch}: fixed {share:.2f} {grid[share]:.1f}/s")
-    result = run(model, width, batch, "auto", steps, search_steps)
-    auto = float(result["samples_per_second"])
-    shares = result.get("shares")
+        windows = ", ".join(f"{v:.0f}" for v in rates[share])
+        log(f"{name} {batch}: fixed {share:.2f} {grid[share]:.1f}/s (windows {windows})")
+    equal = grid[0.50]
+    autos_run = []
+    for i in range(autos):
+        result = run(model, width, batch, "auto", steps, search_steps)
+        autos_run.append(result)
+        log(f"{name} {batch}: auto run {i + 1}: {result['samples_per_second']:.1f}/s, shares at the end "
+            f"{result.get('shares')}")
+    auto_rates = sorted(float(r["samples_per_second"]) for r in autos_run)
+    auto = auto_rates[(len(auto_rates) - 1) // 2]  # the median run (the lower one of two)
     best_share = max(grid, key=grid.get)
     log(f"{name} {batch}: auto {auto:.1f}/s = {auto / grid[best_share]:.3f} of the best fixed ({best_share:.2f}), "
-        f"{auto / equal:.2f}x equal; auto's shares at the end {shares}")
-    return {"case": case, "model": name, "width": width, "batch": batch, "equal": equal, "grid": grid, "auto": auto,
+        f"{auto / equal:.2f}x equal")
+    return {"case": case, "model": name, "width": width, "batch": batch, "equal": equal, "grid": grid,
+            "grid_windows": rates, "auto": auto, "auto_runs": auto_rates,
             "best_share": best_share, "auto_over_best": auto / grid[best_share], "auto_over_equal": auto / equal,
-            "timed_steps": steps, "untimed_steps": search_steps, "auto_shares": shares,
-            "auto_log": result.get("log", [])}
+            "timed_steps": steps, "window_steps": window, "untimed_steps": search_steps,
+            "auto_shares": [r.get("shares") for r in autos_run], "auto_log": [r.get("log", []) for r in autos_run]}
 
 
 def slowdown(best_at_half: float, log) -> dict:
@@ -118,13 +133,13 @@ def slowdown(best_at_half: float, log) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| model | batch | equal | " + " | ".join(f"{s:.2f}" for s in GRID)
+    head = ("| model | batch | " + " | ".join(f"{s:.2f}" for s in GRID)
             + " | auto | auto / best | auto / equal |")
-    lines = [head, "|---|---:|" + "---:|" * (len(GRID) + 4)]
+    lines = [head, "|---|---:|" + "---:|" * (len(GRID) + 3)]
     for r in results:
         best = r["best_share"]
-        cells = [f"**{v:.1f}**" if s == best else f"{v:.1f}" for s, v in r["grid"].items()]
-        lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | {r['equal']:.1f} | " + " | ".join(cells)
+        cells = [f"**{r['grid'][s]:.0f}**" if s == best else f"{r['grid'][s]:.0f}" for s in GRID]
+        lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | " + " | ".join(cells)
                      + f" | {r['auto']:.1f} | {r['auto_over_best']:.3f} | {r['auto_over_equal']:.2f}x |")
     return "\n".join(lines)
 
@@ -133,6 +148,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="*", default=CASES, help="model:width:batch (model: built-in or file.py:fn)")
     p.add_argument("--seconds", type=float, default=8.0, help="timed seconds per configuration (about)")
+    p.add_argument("--autos", type=int, default=2, help="auto runs per case (the lower median counts)")
     p.add_argument("--no-slowdown", action="store_true", help="skip the mid-run slowdown run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "balance.json"))
     a = p.parse_args()
@@ -142,11 +158,12 @@ def main() -> int:
         print(f"[{time.monotonic() - start:5.0f} s] {message}", flush=True)
 
     log("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    results = [run_case(c, a.seconds, log) for c in a.cases]
+    results = [run_case(c, a.seconds, a.autos, log) for c in a.cases]
     slow = None
     if not a.no_slowdown:
         convnet = next((r for r in results if r["model"] == "convnet" and r["batch"] == 256), None)
-        best = max(convnet["grid"].values()) if convnet else rate("convnet", 0.25, 256, [0.67, 0.33], 20, 3)
+        best = (max(convnet["grid"].values()) if convnet
+                else float(run("convnet", 0.25, 256, [0.67, 0.33], 20, 3)["samples_per_second"]))
         slow = slowdown(best, log)
     print("\nsamples/s on cpu:0 + cpu:1@0.5 (fixed shares: the fast device's share)\n" + table(results))
     print(f"\n{(time.monotonic() - start) / 60:.1f} min")

@@ -1,10 +1,12 @@
 """Speed where communication and per-step overhead dominate, and where each millisecond of a step goes.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_overhead.py          # ~10 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_overhead.py          # ~15 min
     ... benchmarks/bench_overhead.py --cases mlp:0.5:64 --steps-scale 0.5                         # one case
 
 For each case (model:width:global batch), one after another, each configuration in fresh
-processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each):
+processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each), in
+``--rounds`` rounds (3: the median run of each configuration counts, since one run on this shared
+machine can be off by 10%):
 
 * ``single``: plain Keras ``model.fit`` on one core (no multigpu);
 * ``mg1``: the same through ``multigpu.parallelize(model, devices=["cpu:0"])``;
@@ -45,17 +47,24 @@ CONFIGS = {
 }
 
 
-def run_case(case: str, steps_scale: float, configs: list[str]) -> dict:
+def run_case(case: str, steps_scale: float, configs: list[str], rounds: int) -> dict:
+    """Every configuration ``rounds`` times, one after another in each round; the median rate of each."""
     model, width, batch, steps = case.split(":")
     out = {"model": model, "width": float(width), "batch": int(batch), "runs": {}}
-    for name in configs:
-        cfg = dict(CONFIGS[name], model=model, width=float(width), batch=int(batch),
-                   steps=max(4, round(int(steps) * steps_scale)), warmup=3, seed=0)
-        t0 = time.monotonic()
-        result = run_config(cfg, timeout=900, stream=False)
-        out["runs"][name] = {"samples_per_second": result["samples_per_second"],
-                             "breakdown": result.get("breakdown"), "seconds": time.monotonic() - t0}
-        print(f"  {case:22s} {name:10s} {result['samples_per_second']:9.1f} samples/s", flush=True)
+    tried: dict[str, list[dict]] = {name: [] for name in configs}
+    for round_ in range(rounds):
+        for name in configs:
+            cfg = dict(CONFIGS[name], model=model, width=float(width), batch=int(batch),
+                       steps=max(4, round(int(steps) * steps_scale)), warmup=3, seed=0)
+            t0 = time.monotonic()
+            result = run_config(cfg, timeout=900, stream=False)
+            tried[name].append({"samples_per_second": result["samples_per_second"],
+                                "breakdown": result.get("breakdown"), "seconds": time.monotonic() - t0})
+            print(f"  {case:22s} round {round_ + 1} {name:10s} {result['samples_per_second']:9.1f} samples/s",
+                  flush=True)
+    for name, runs in tried.items():
+        median = sorted(runs, key=lambda r: r["samples_per_second"])[(len(runs) - 1) // 2]
+        out["runs"][name] = dict(median, rounds=[r["samples_per_second"] for r in runs])
     return out
 
 
@@ -88,12 +97,13 @@ def main() -> int:
     p.add_argument("--cases", nargs="+", default=CASES, help="model:width:batch[:steps]")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
+    p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead.json"))
     a = p.parse_args()
     configs = a.configs.split(",")
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
-    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs) for c in a.cases]
+    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds) for c in a.cases]
     if set(CONFIGS) <= set(configs):
         print("\n" + ratio_table(results))
     print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))

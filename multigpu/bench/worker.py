@@ -99,10 +99,17 @@ def _fit_run(cfg: dict, spec) -> None:
 
         phases = breakdown.install(model)
     timer = _timer(batch, warmup, int(cfg.get("print_every", 0)), parallel, phases)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    callbacks = [timer]
+    if cfg.get("sweep"):
+        sweep = _sweep_callback(parallel, cfg["sweep"], warmup, int(cfg["window_steps"]))
+        callbacks.insert(0, sweep)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     if multigpu.rank() != 0:
         return
     rate = timer.rate()
+    if cfg.get("sweep"):
+        _write(cfg, {"sweep": sweep.rates(timer.times, batch), "samples_per_second": rate})
+        return
     result = {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate,
               "peak_rss": _peak_rss()}
     if phases is not None:
@@ -113,6 +120,46 @@ def _fit_run(cfg: dict, spec) -> None:
         result.update(ratios=st.ratios, shares=st.shares(batch), devices=[d.label for d in st.devices],
                       report=st.last_report, transport=st.transport)
     _write(cfg, result)
+
+
+_SETTLE = 2  # steps after a change of shares whose rows were planned before it (the plan queue holds two)
+
+
+def _sweep_schedule(shares: list[float], warmup: int, window: int) -> list[tuple[int, float]]:
+    """``(step, share)``: from the end of ``step`` on, the fast device's share is ``share``."""
+    return [(warmup - 1 + i * (_SETTLE + window), share) for i, share in enumerate(shares)]
+
+
+def _sweep_callback(parallel, shares: list[float], warmup: int, window: int):
+    """A callback that moves fixed shares at step boundaries, the same steps on every rank.
+
+    The fast device's share goes through ``shares`` in order, each for
+    ``_SETTLE + window`` steps after ``warmup`` untimed steps; ``rates``
+    gives the samples/s of each window (the steps after the settling ones), so every
+    point of a grid is timed in one warm process, interleaved with the others.
+    """
+    import keras
+
+    from multigpu.keras.parallel import _MODELS
+
+    balancer = _MODELS[parallel].balancer
+    schedule = dict(_sweep_schedule(shares, warmup, window))
+
+    class Sweep(keras.callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            share = schedule.get(step)
+            if share is not None:
+                balancer.ratios = [share, 1.0 - share]
+
+        def rates(self, times: list[float], batch: int) -> list[list[float]]:
+            out = []
+            for step, share in _sweep_schedule(shares, warmup, window):
+                begin = step + _SETTLE  # times[i] is the end of step i
+                if begin + window < len(times):
+                    out.append([share, batch * window / (times[begin + window] - times[begin])])
+            return out
+
+    return Sweep()
 
 
 def _torch_optimizer(model, params):

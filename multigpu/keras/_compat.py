@@ -111,6 +111,29 @@ def optimizer_variables(optimizer) -> list:
     return list(optimizer._trainable_variables)
 
 
+def update_step_owner(optimizer):
+    """The class whose ``_parallel_update_step`` (Keras's torch optimizers' update) ``optimizer`` runs, or None."""
+    for cls in type(optimizer).__mro__:
+        if "_parallel_update_step" in vars(cls):
+            return cls
+    return None
+
+
+def torch_optimizer_classes() -> dict:
+    """Keras's torch optimizer classes by name (``keras.src.backend.torch.optimizers``); empty if moved."""
+    try:
+        from keras.src.backend.torch.optimizers import torch_adam, torch_rmsprop, torch_sgd
+    except ImportError:
+        return {}
+
+    return {"SGD": torch_sgd.SGD, "RMSprop": torch_rmsprop.RMSprop, "Adam": torch_adam.Adam}
+
+
+def optimizer_slot(optimizer, name: str, variable):
+    """The optimizer's state variable ``name`` (``"_velocities"``, ...) for ``variable`` (``_get_variable_index``)."""
+    return getattr(optimizer, name)[optimizer._get_variable_index(variable)]
+
+
 def seed_variables(model) -> list:
     """The random-seed state variables of ``model``'s layers (Dropout and friends)."""
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]

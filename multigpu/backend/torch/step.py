@@ -8,7 +8,8 @@ One global batch, followed from the data to the weights:
 3. forward, loss, metrics, backward, as Keras's own step;
 4. ``optimizer.apply`` sums the weighted gradients over ranks in one
    collective, which also carries the metric states and the step timings
-   (:mod:`multigpu.backend.torch.reducer`);
+   (:mod:`multigpu.backend.torch.reducer`), then runs Keras's update block
+   by block (:mod:`multigpu.backend.torch.optimizers`);
 5. the logs come back global, and the balancer reads every rank's timings.
 
 A model class that overrides ``train_step`` (or ``test_step``,
@@ -24,6 +25,7 @@ import warnings
 import keras
 import torch
 
+from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
@@ -114,6 +116,7 @@ class TorchSteps:
         self.timing.begin()
         for optimizer in self._optimizers():
             self.sync.wrap(optimizer)
+            blockwise.install(optimizer)
         # With global BatchNorm statistics the backward pass crosses ranks, so each rank weights its own loss.
         self.sync.begin_step(1.0 if self.sync_batchnorm else plan.weight)
         try:
