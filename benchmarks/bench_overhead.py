@@ -6,7 +6,7 @@
 For each case (model:width:global batch), one after another, each configuration in fresh
 processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each), in
 ``--rounds`` rounds (3: the median run of each configuration counts, since one run on this shared
-machine can be off by 10%):
+machine can be off by 10-30%):
 
 * ``single``: plain Keras ``model.fit`` on one core (no multigpu);
 * ``mg1``: the same through ``multigpu.parallelize(model, devices=["cpu:0"])``;
