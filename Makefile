@@ -10,7 +10,8 @@ export KERAS_BACKEND := torch
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: an unpinned `torch` can pull a CUDA build of several GB.
-	$(BIN)/pip install --quiet "torch==2.13.0"
+	# jax's CPU build for the JAX backend (KERAS_BACKEND=jax) and its tests.
+	$(BIN)/pip install --quiet "torch==2.13.0" "jax[cpu]==0.10.2"
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
@@ -32,8 +33,6 @@ bench: $(STAMP)
 
 # Keras's own trainer, callback and saving tests with every model parallelized (an outside check, ~min).
 keras-suite: $(STAMP)
-	@# Keras's trainer tests import jax at the top (its CPU build; multigpu itself runs on torch here).
-	$(BIN)/python -c "import jax" 2>/dev/null || $(BIN)/pip install --quiet "jax[cpu]==0.10.2"
 	OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS.md
 
 clean:

@@ -17,6 +17,9 @@ DeviceSpec = str | int | Device
 COMPRESSION = (None, "bf16", "fp16")
 TRANSPORTS = ("auto", "shm", "gloo")
 _COMMS: dict = {}
+# JAX compiles the step once per local batch size (~6 s for the benchmark convnet on one core), so the
+# share search stops at moves of 2% of the batch there (torch: one sample).
+JAX_MIN_STEP = 0.02
 
 
 def _check_model(model) -> None:
@@ -164,6 +167,10 @@ def parallelize(
     if transport not in TRANSPORTS:
         raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
                          f"Received: transport={transport!r}")
+    if backend.name() == "jax":
+        from multigpu.backend.jax.step import check_supported
+
+        check_supported(model, compression, sync_batchnorm)
     given = os.environ.get(env.RATIOS) or ratios  # `multigpu run --ratios` wins over the script
     spec = parse_ratios(given)
     planned = _runtime.planned_devices(devices)  # checks that need the device count, before any process starts
@@ -190,7 +197,7 @@ def parallelize(
 
     options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
                              profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
-                             caps=caps, report=report)
+                             caps=caps, report=report, min_step=JAX_MIN_STEP if backend.name() == "jax" else 0.0)
     comm = _COMMS.get(id(runtime))
     if comm is None:
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)

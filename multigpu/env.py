@@ -26,7 +26,8 @@ starts can find each other.
   ``MASTER_ADDR``, ``MASTER_PORT``: read (never set) to join a group started
   by ``torchrun``.
 * ``OMP_NUM_THREADS``: set on the processes we start, to their core count.
-* ``KERAS_BACKEND``: must be ``torch``; the supervisor passes it on.
+* ``KERAS_BACKEND``: ``torch`` (the default multigpu sets where unset) or ``jax``; the supervisor
+  passes it on, and on ``jax`` a rank joins the run before the program runs.
 """
 
 RANK = "MULTIGPU_RANK"

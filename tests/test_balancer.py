@@ -113,6 +113,23 @@ def test_step_timing_reports_the_previous_step_in_its_slots():
     assert StepRecord.from_vector([0.0] * 8, 2) is None
 
 
+def test_a_discarded_step_is_no_measurement_for_any_rank():
+    """A step that compiled (JAX) is discarded on its rank: with ``complete`` the whole step is dropped."""
+    t = StepTiming(rank=0, world_size=2)
+    t.begin()
+    t.end(samples=48)
+    t.discard()
+    mine = t.vector()
+    assert mine == [0.0] * 8
+    other = [0.0, 0.3, 0.0, 0.3, 0.0, 0.2, 0.0, 16.0]  # rank 1 measured its step
+    summed = [a + b for a, b in zip(mine, other)]
+    assert StepRecord.from_vector(summed, 2, complete=True) is None
+    assert StepRecord.from_vector(summed, 2).samples == (0, 16)  # without `complete`, the torch path's reading
+    t.begin()
+    t.end(samples=48)  # the next step counts again
+    assert StepRecord.from_vector([a + b for a, b in zip(t.vector(), other)], 2, complete=True).samples == (48, 16)
+
+
 def test_profile_round_trip_and_bad_profiles(tmp_path):
     path = tmp_path / "p.json"
     entry = {"devices": ["cpu:0", "cpu:1@0.5"], "speeds": [400.0, 200.0], "ratios": [0.667, 0.333]}

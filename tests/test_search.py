@@ -154,3 +154,28 @@ def test_shares_do_not_drift_where_throughput_barely_depends_on_them():
         _, search, _ = simulate((2000, 1000), (2 / 3, 1 / 3), overhead=0.5, noise=0.10, windows=80, seed=seed)
         finals.append(search.ratios[0])
     assert all(0.55 <= f <= 0.80 for f in finals), [round(f, 2) for f in finals]
+
+
+def test_min_step_bounds_the_local_batch_sizes_tried():
+    """Where each new local batch size compiles (JAX), the search stops at moves of ``min_step``.
+
+    It tries fewer distinct sizes than the search down to one sample, and still ends within
+    a few percent of the best throughput.
+    """
+    def sizes_tried(min_step):
+        search = ShareSearch([0.6, 0.4], 256, min_step=min_step)
+        seen = set()
+        for _ in range(60):
+            shares = capped_split(256, search.ratios)
+            seen.add(shares[0])
+            times = [b / s for b, s in zip(shares, (200, 100))]
+            search.observe(Window(tuple(search.ratios), 1280, 5 * max(times), tuple(5 * t for t in times),
+                                  tuple(5 * b for b in shares)))
+        return seen, search
+
+    fine, _ = sizes_tried(0.0)
+    coarse, search = sizes_tried(0.02)
+    assert search.settled and len(coarse) < len(fine)
+    assert search.step * 256 >= 0.02 * 256 / 2  # never halved below min_step
+    achieved = 256 / max(b / s for b, s in zip(capped_split(256, search.ratios), (200, 100)))
+    assert achieved >= 0.97 * best_throughput((200, 100), batch=256)

@@ -17,7 +17,7 @@ from types import ModuleType
 
 __all__ = ["SUPPORTED", "get", "name"]
 
-SUPPORTED = ("torch",)
+SUPPORTED = ("torch", "jax")
 
 
 def name() -> str:
@@ -38,8 +38,9 @@ def check() -> str:
     current = name()
     if current not in SUPPORTED:
         raise RuntimeError(
-            f"multigpu runs on Keras's {' or '.join(SUPPORTED)} backend. Set KERAS_BACKEND={SUPPORTED[0]} before "
-            f"Keras is imported (e.g. `KERAS_BACKEND={SUPPORTED[0]} python train.py`). Received: backend={current!r}"
+            f"multigpu runs on Keras's {' or '.join(SUPPORTED)} backend. Set KERAS_BACKEND={SUPPORTED[0]} (or "
+            f"{SUPPORTED[1]}) before Keras is imported (e.g. `KERAS_BACKEND={SUPPORTED[0]} python train.py`). "
+            f"Received: backend={current!r}"
         )
     return current
 
@@ -49,6 +50,6 @@ def get() -> ModuleType:
     current = check()
     if current == "torch":
         from multigpu.backend import torch as module
-    else:  # pragma: no cover - guarded by check()
-        raise RuntimeError(current)
+    else:
+        from multigpu.backend import jax as module
     return module

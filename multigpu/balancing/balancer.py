@@ -53,6 +53,9 @@ class BalanceOptions:
         recalibrate: measure even when the profile has an entry.
         caps: per-device largest local batch.
         report: print the per-device breakdown at each epoch end.
+        min_step: the search's smallest move, as a fraction of the batch (0: one
+            sample).  Where every new local batch size costs a compilation
+            (JAX), small moves cost more than they can find.
     """
 
     spec: RatioSpec
@@ -62,6 +65,7 @@ class BalanceOptions:
     recalibrate: bool = False
     caps: list[int | None] | None = None
     report: bool = False
+    min_step: float = 0.0
 
 
 @dataclass
@@ -90,6 +94,7 @@ class LoadBalancer:
         self.world_size = len(devices)
         self.options = options
         self._log = log
+        self.log = log  # the run's log (rank 0 prints it), for the steps' own lines
         fixed = options.spec.values if options.spec.kind == "fixed" else None
         self.ratios: list[float] = list(fixed) if fixed else [1.0] * self.world_size
         self.speeds: list[float] | None = None
@@ -178,7 +183,8 @@ class LoadBalancer:
         if not (self.options.rebalance and self.calibrated and self.batch_size and self.world_size > 1):
             return
         if self.search is None or self.search.batch_size != self.batch_size:
-            self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps)
+            self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
+                                      min_step=self.options.min_step)
             self._window = _Window()
 
     # ------------------------------------------------------------- records

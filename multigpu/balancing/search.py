@@ -8,7 +8,9 @@ in bursts, and communication competes with compute.  So the speeds only
 
 * a move that pays is kept, and the next one goes further the same way;
 * a move that does not pay is undone; when both ways have failed at a step
-  size the step is halved, until it is below one sample (the search settles);
+  size the step is halved, until it is below one sample, or below
+  ``min_step`` where each new local batch size costs a compilation (JAX):
+  the search settles;
 * while searching, the kept shares are measured again between moves; when
   they run far from before (a device changed speed mid-search, and every
   move would be judged against a stale figure) moves are judged against the
@@ -106,6 +108,9 @@ class ShareSearch:
         caps: optional per-device largest local batch.
         first_step: the first move, as a fraction of the batch.
         noise_floor: the smallest relative gain that counts as a gain.
+        max_step: the largest move, as a fraction of the batch.
+        min_step: the smallest move, as a fraction of the batch (and never
+            below one sample); the search settles when halving would go below.
     """
 
     ratios: Sequence[float]
@@ -114,6 +119,7 @@ class ShareSearch:
     first_step: float = 0.04
     noise_floor: float = 0.005
     max_step: float = 0.2
+    min_step: float = 0.0
     base: tuple[float, ...] = field(init=False)
     step: float = field(init=False)
     settled: bool = field(default=False, init=False)
@@ -240,7 +246,7 @@ class ShareSearch:
             self._jumped = True
             if self.shares(proposal) != self.shares(self.base):
                 return self._start(proposal, "jump", None, f"compute speeds {imbalance:.2f}x out of balance")
-        while self.step * self.batch_size >= 1.0:
+        while self.step * self.batch_size >= max(1.0, self.min_step * self.batch_size):
             candidates = []
             if self._momentum is not None:
                 candidates.append(self._momentum)

@@ -43,12 +43,19 @@ class StepRecord:
     samples: tuple[int, ...]
 
     @classmethod
-    def from_vector(cls, values: Sequence[float], world_size: int) -> StepRecord | None:
-        """Reads the summed vector that :meth:`StepTiming.vector` filled on each rank."""
+    def from_vector(cls, values: Sequence[float], world_size: int, complete: bool = False) -> StepRecord | None:
+        """Reads the summed vector that :meth:`StepTiming.vector` filled on each rank.
+
+        Args:
+            values: the summed timing slots.
+            world_size: the number of ranks.
+            complete: return None unless every rank reported (a rank that
+                discarded its step makes the whole step no measurement).
+        """
         n = world_size
         parts = [tuple(float(v) for v in values[i * n : (i + 1) * n]) for i in range(len(FIELDS))]
-        if not any(parts[0]):
-            return None  # no rank had a finished step to report
+        if not any(parts[0]) or (complete and not all(parts[0])):
+            return None  # no rank (or, with ``complete``, not every rank) had a finished step to report
         return cls(parts[0], parts[1], parts[2], tuple(round(s) for s in parts[3]))
 
 
@@ -89,6 +96,15 @@ class StepTiming:
         wall = step if self._last_end is None else now - self._last_end
         self._pending = (wall, step, max(0.0, step - self._waiting), int(samples))
         self._last_end = now
+
+    def discard(self) -> None:
+        """The step just ended is not a measurement of the shares (it compiled): it is not reported.
+
+        Its record reaches the other ranks with this rank's slots empty, and
+        the backend drops a record that lacks a rank (see
+        :meth:`StepRecord.from_vector`'s ``complete``).
+        """
+        self._pending = None
 
     def break_continuity(self) -> None:
         """The next step's wall time would include more than the step (an epoch boundary, validation)."""

@@ -11,6 +11,9 @@ Kinds of run (``mode``):
   own training loop, as Keras's guide for the torch backend does;
 * ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP and metrics
   summed over ranks, equal shares: what Keras's next release does by itself;
+* ``keras-dp`` (JAX): Keras's own ``keras.distribution.DataParallel`` in one
+  process whose CPU is split into one XLA host device per listed device,
+  equal shares, on the listed devices' cores (``capacity``: CPU time in cores);
 * ``calibrate``: one device alone at growing batch sizes.
 
 Every run reports steady-state samples/s (the first ``warmup`` steps are not
@@ -30,7 +33,7 @@ from pathlib import Path
 
 __all__ = ["MODES", "run_config", "solo_devices_config"]
 
-MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "calibrate")
+MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-dp", "calibrate")
 
 
 def _pinned(cores):
@@ -74,7 +77,7 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         log_path = Path(tmp) / "output.txt"
         log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
         stdout = None if stream else (log_file or subprocess.DEVNULL)
-        alone = config["mode"] in ("single", "solo", "calibrate")
+        alone = config["mode"] in ("single", "solo", "calibrate", "keras-dp")
         if alone:
             cfg["cores"] = list(config.get("cores") or devices[0].cores)
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))

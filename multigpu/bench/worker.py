@@ -325,17 +325,44 @@ def _solo_rate(model, x, y, min_seconds: float) -> float:
     return rows * len(timed) / sum(timed)
 
 
+def _keras_dp_run(cfg: dict, spec) -> None:
+    """Keras's own ``keras.distribution.DataParallel`` on JAX: one process, its CPU split into
+    ``len(devices)`` XLA host devices, equal shares.  ``capacity`` (cores' worth of CPU time, e.g. 1.5 for a
+    full core beside a half one) caps the process with a cgroup quota."""
+    import jax
+    import keras
+
+    if cfg.get("capacity"):
+        from multigpu.throttle import CpuQuota
+
+        cores = len(cfg.get("cores") or [0])
+        CpuQuota(float(cfg["capacity"]) / cores, cores).apply()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices("cpu")))
+    batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
+    model = spec.build(float(cfg.get("width", 1.0)))
+    spec.compile(model)
+    x, y = spec.data(batch * (steps + warmup), 0)
+    timer = _timer(batch, warmup, 0)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    rate = timer.rate()
+    _write(cfg, {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate,
+                 "devices": [str(d) for d in jax.devices("cpu")]})
+
+
 def main(path: str) -> None:
     """Runs the configuration in ``path``."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
+    cfg = json.loads(Path(path).read_text())
+    if cfg["mode"] == "keras-dp":  # before JAX starts: one XLA host device per planned device
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={len(cfg['devices'])}").strip()
     import keras
 
     from multigpu.bench.models import get_model
 
-    cfg = json.loads(Path(path).read_text())
     keras.utils.set_random_seed(int(cfg.get("seed", 0)))
     spec = get_model(cfg["model"])
-    runs = {"calibrate": _calibrate_run, "ddp": _ddp_run, "keras-ddp": _keras_ddp_run}
+    runs = {"calibrate": _calibrate_run, "ddp": _ddp_run, "keras-ddp": _keras_ddp_run, "keras-dp": _keras_dp_run}
     runs.get(cfg["mode"], _fit_run)(cfg, spec)
 
 

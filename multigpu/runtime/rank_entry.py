@@ -15,7 +15,8 @@ down aborts the process ("terminate called without an active exception"),
 turning a finished rank into a failed one.
 
 This module imports neither torch nor Keras, so that the program can choose
-its Keras backend first.
+its Keras backend first.  On JAX the rank joins the run before the program
+runs (:mod:`multigpu.backend.jax.group` says why).
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ def exit_code(code: object) -> int:
     return 1
 
 
+def _join_early() -> None:
+    """On JAX, joins the run before the program runs: JAX allows it only before its first computation."""
+    if os.environ.get("MULTIGPU_RANK") is not None and os.environ.get("KERAS_BACKEND") == "jax":
+        from multigpu.runtime import start
+
+        start()
+
+
 def main(argv: list[str]) -> int:
     """Runs the program named by ``argv`` (kind, target, args) and returns its exit code."""
     if len(argv) < 2 or argv[0] not in KINDS:
@@ -111,6 +120,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
+        _join_early()
         _run(argv[0], argv[1], argv[2:])
         code = 0
     except SystemExit as exc:

@@ -1,0 +1,24 @@
+"""The JAX backend: ``jax.distributed`` (XLA's gloo collectives on CPU) and Keras's JAX trainer.
+
+* ``group``: joining the run (before the program's first JAX computation) and leaving it;
+* ``collectives``: ``Comm``, every collective multigpu does, as XLA all-reduces;
+* ``step``: the training, test and predict functions Keras's loops call.
+
+Only ``group`` is imported eagerly, and it imports JAX only when joining.
+"""
+
+from multigpu.backend.jax.group import bind, join, leave
+
+__all__ = ["Comm", "Steps", "bind", "join", "leave"]
+
+
+def __getattr__(name: str):
+    if name == "Comm":
+        from multigpu.backend.jax.collectives import Comm
+
+        return Comm
+    if name == "Steps":
+        from multigpu.backend.jax.step import JaxSteps
+
+        return JaxSteps
+    raise AttributeError(name)

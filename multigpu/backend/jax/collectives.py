@@ -1,0 +1,123 @@
+"""Collectives of a run on JAX: XLA's own, over a mesh of one device per process.  Every error is fatal.
+
+Each process holds one CPU device of the global ``jax.devices()``.  A sum over
+ranks puts every rank's vector in one row of a global array sharded over that
+mesh and runs a compiled ``sum(axis=0)`` whose result is replicated: XLA does
+the all-reduce (gloo on CPU).  Everything else (broadcast, gathering objects,
+checks) is a sum of vectors where the other ranks send zeros.  Measured on
+this project's 2-core machine: 4 ms for any vector up to 100,000 floats,
+6.6 ms for 670,000 (torch's gloo: 2 and 4.8 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+__all__ = ["Comm"]
+
+
+class Comm:
+    """The collectives of one parallel run (JAX backend).
+
+    Args:
+        runtime: the run.
+        transport: only ``"auto"`` or ``"gloo"`` (XLA's gloo collectives) on JAX.
+    """
+
+    def __init__(self, runtime, transport: str = "auto") -> None:
+        if transport not in ("auto", "gloo"):
+            raise ValueError("On JAX, gradients are summed by XLA's gloo collectives: `transport` must be 'auto' "
+                             f"or 'gloo'. Received: transport={transport!r}")
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        self.runtime = runtime
+        self.rank = runtime.rank
+        self.world_size = runtime.world_size
+        self.transport = "gloo"
+        self.device = jax.local_devices()[0]
+        mesh = Mesh(np.array(jax.devices()), ("ranks",))
+        self._rows = NamedSharding(mesh, PartitionSpec("ranks"))
+        self._sum = jax.jit(lambda a: a.sum(axis=0, dtype=a.dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    # ------------------------------------------------------------- errors
+    @contextmanager
+    def fatal(self, what: str):
+        """Any error in the block ends this rank, naming ``what`` failed."""
+        try:
+            yield
+        except Exception as exc:
+            from multigpu.runtime import fail
+
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            fail(f"{what} failed: {type(exc).__name__}: {first}")
+
+    # ------------------------------------------------------- the step's sum
+    def reduce(self, vector, what: str = "summing gradients") -> np.ndarray:
+        """The sum over ranks of a 1-D array (NumPy or JAX, on this process's device), as NumPy."""
+        import jax
+
+        with self.fatal(what):
+            local = jax.device_put(vector, self.device).reshape(1, -1)
+            rows = jax.make_array_from_single_device_arrays((self.world_size, local.shape[1]), self._rows,
+                                                            [local])
+            return np.asarray(self._sum(rows).addressable_data(0))
+
+    # ------------------------------------------------------- rare collectives
+    def sum_floats(self, values: Sequence[float], what: str = "a collective") -> list[float]:
+        """Sums a short list of floats over ranks (float32)."""
+        return [float(v) for v in self.reduce(np.asarray(values, dtype=np.float32), what)]
+
+    def broadcast(self, arrays: Sequence, src: int = 0, what: str = "broadcasting the initial weights") -> list:
+        """Rank ``src``'s arrays on every rank (NumPy arrays; one sum per dtype)."""
+        arrays = [np.asarray(a) for a in arrays]
+        out: list = [None] * len(arrays)
+        by_dtype: dict = {}
+        for i, a in enumerate(arrays):
+            by_dtype.setdefault(a.dtype, []).append(i)
+        for dtype, indices in by_dtype.items():
+            flat = np.concatenate([arrays[i].reshape(-1) for i in indices]) if indices else np.zeros(0, dtype)
+            if self.rank != src:
+                flat = np.zeros_like(flat)
+            if flat.dtype == np.bool_:
+                total = self.reduce(flat.astype(np.int32), what).astype(np.bool_)
+            else:
+                total = self.reduce(flat, what).astype(dtype)
+            offset = 0
+            for i in indices:
+                n = arrays[i].size
+                out[i] = total[offset : offset + n].reshape(arrays[i].shape)
+                offset += n
+        return out
+
+    def gather_objects(self, obj, what: str = "gathering results") -> list:
+        """Every rank's ``obj``, in rank order."""
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        sizes = np.zeros(self.world_size, dtype=np.int32)
+        sizes[self.rank] = data.size
+        sizes = self.reduce(sizes, what)
+        width = int(sizes.max())
+        mine = np.zeros((self.world_size, width), dtype=np.uint8)
+        mine[self.rank, : data.size] = data
+        everyone = self.reduce(mine.reshape(-1), what).reshape(self.world_size, width)
+        return [pickle.loads(everyone[r, : int(sizes[r])].tobytes()) for r in range(self.world_size)]
+
+    def check_same(self, value: int, what: str) -> None:
+        """Raises the same error on every rank when the ranks disagree on ``value`` (data lengths)."""
+        values = np.zeros(self.world_size, dtype=np.int32)
+        values[self.rank] = int(value)
+        got = [int(v) for v in self.reduce(values, f"checking {what}")]
+        if len(set(got)) > 1:
+            detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(got))
+            raise ValueError(f"The ranks received different data: {what} differ ({detail}). Every rank must "
+                             "see the same data (build or load it the same way on every rank).")
+
+    def shared_seed(self) -> int:
+        """A random number rank 0 draws, the same on every rank."""
+        seed = np.asarray([int.from_bytes(os.urandom(4), "little") >> 1], dtype=np.int32)
+        return int(self.broadcast([seed], what="sharing a seed")[0][0])

@@ -1,0 +1,473 @@
+"""The training, test and predict functions of a parallel model on JAX.
+
+Keras's JAX trainer runs ``model.train_function(state, iterator)`` once per
+batch, ``state`` being the tuple of every variable's value.  multigpu gives
+the model its own ``make_train_function`` (and test, predict), so Keras's
+``fit`` loop, callbacks and History run unchanged.  One global batch, followed
+from the data to the weights:
+
+1. the data path cut this rank's rows and queued the batch's plan
+   (:mod:`multigpu.keras.data`); the function takes the plan back;
+2. a compiled function computes, on this rank's rows, Keras's loss and
+   gradients (``compute_loss_and_updates``) and metric updates, and packs the
+   gradients times ``b_r / B``, the metric states and the step timings into
+   one vector (the weight is an argument, so a new share does not recompile;
+   a new number of local rows does, once per size);
+3. one XLA all-reduce sums the vectors over ranks (:mod:`.collectives`);
+4. a compiled function applies the summed gradient with Keras's
+   ``optimizer.stateless_apply`` and reads the global logs from the summed
+   metric states: the same update on every rank, equal to one device's on
+   the whole batch.
+
+A rank with no rows in a step sends zeros and its unchanged metric states.
+
+A ``train_step`` of the model's own (JAX's stateless style) runs eagerly:
+each ``optimizer.stateless_apply`` it calls applies the weighted gradients
+summed over ranks, and its logs become global in one collective after it.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from multigpu.balancing.timing import StepRecord
+from multigpu.keras import _compat
+
+__all__ = ["JaxSteps", "check_supported"]
+
+
+def _rows(x) -> int:
+    for leaf in keras.tree.flatten(x):
+        if leaf is not None:
+            return int(leaf.shape[0])
+    return 0
+
+
+def _own(cls, name: str):
+    """The class's ``name`` if it overrides Keras's, else None."""
+    method = getattr(cls, name)
+    return None if method is getattr(keras.Model, name) else method
+
+
+def _flat(values) -> list:
+    return [jnp.ravel(v).astype(jnp.float32) for v in values]
+
+
+def _split(vector, like: list, offset: int = 0) -> list:
+    """Pieces of ``vector`` shaped and typed as ``like``, from ``offset`` on."""
+    out = []
+    for ref in like:
+        n = int(np.prod(ref.shape))
+        part = vector[offset : offset + n].reshape(ref.shape)
+        if not jnp.issubdtype(ref.dtype, jnp.floating):
+            part = jnp.round(part)
+        out.append(part.astype(ref.dtype))
+        offset += n
+    return out
+
+
+def check_supported(model, compression, sync_batchnorm: bool) -> None:
+    """Raises, before any process starts, for what the JAX backend does not have yet.
+
+    Raises:
+        NotImplementedError: naming each missing feature and the torch backend, which has it.
+    """
+    cls = type(model)
+    missing = [what for what, on in (("compression", compression is not None),
+                                     ("sync_batchnorm=True", sync_batchnorm),
+                                     ("a test_step of the model's own", _own(cls, "test_step") is not None))
+               if on]
+    if missing:
+        raise NotImplementedError(
+            f"multigpu's JAX backend does not support {', '.join(missing)} yet (the torch backend does: "
+            f"KERAS_BACKEND=torch). Received: {cls.__name__} with {', '.join(missing)}"
+        )
+
+
+class JaxSteps:
+    """The functions of one parallel model on JAX (see the module docstring).
+
+    Args:
+        parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
+
+    Raises:
+        NotImplementedError: for the choices the JAX backend does not have yet.
+    """
+
+    def __init__(self, parallel) -> None:
+        self.parallel = parallel
+        self.model = model = parallel.model
+        self.comm = parallel.comm
+        self.timing = parallel.timing
+        self.balancer = parallel.balancer
+        check_supported(model, parallel.options.compression, parallel.options.sync_batchnorm)
+        cls = type(model)
+        self.user_train_step = _own(cls, "train_step")
+        self._last_batch = None  # a custom step's last batch with rows, for the steps where this rank has none
+        self.keras_reset_metrics = cls.reset_metrics.__get__(model)
+        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
+        self._initialized = False
+        self._fresh: dict | None = None  # global results of the last step, while no metric changed
+        self._train = None
+        self._test = None
+        self._predict = None
+        self.compiles: dict[tuple[str, int], float] = {}  # (function, local rows) -> seconds of its first call
+        self._compiled = False  # the step running now compiled a function
+
+    def methods(self) -> dict:
+        """What the model instance gets."""
+        return {"make_train_function": self.make_train_function, "make_test_function": self.make_test_function,
+                "make_predict_function": self.make_predict_function,
+                "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
+
+    # ---------------------------------------------------------- first use
+    def _initialize(self) -> None:
+        """Rank 0's weights everywhere, and different random streams on every rank (once)."""
+        if self._initialized:
+            return
+        self._initialized = True
+        model = self.model
+        metric_ids = {id(v) for v in model.metrics_variables}
+        state = [v for v in model.variables if id(v) not in metric_ids]
+        for v, value in zip(state, self.comm.broadcast([np.asarray(v.value) for v in state])):
+            v.assign(value)
+        for v in _compat.seed_variables(model):  # Dropout must draw different numbers on each rank
+            value = np.asarray(v.value).copy()
+            value[0] = value[0] + np.asarray(1_000_003 * self.comm.rank).astype(value.dtype)
+            v.assign(value)
+
+    def _check_execution(self) -> None:
+        if getattr(self.model, "steps_per_execution", 1) != 1:
+            raise NotImplementedError("multigpu's JAX backend runs one batch per call: compile the model with "
+                                      f"steps_per_execution=1. Received: {self.model.steps_per_execution}")
+
+    def _timed_first(self, name: str, rows: int, call):
+        """Runs ``call``; the first call per (function, rows) compiles it, and is timed and logged as such."""
+        key = (name, rows)
+        if key in self.compiles:
+            return call()
+        began = time.perf_counter()
+        out = call()
+        jax.block_until_ready(out)
+        self.compiles[key] = seconds = time.perf_counter() - began
+        self._compiled = True
+        if len(self.compiles) > 1:  # the first compilation is the start of training; later ones are the cost of moves
+            self.balancer.log(f"compiled the {name} step for {rows} local rows in "
+                               f"{seconds:.1f} s (once per local batch size; not counted as a measurement)")
+        return out
+
+    # ---------------------------------------------------------- training
+    def make_train_function(self, force: bool = False):
+        self._check_execution()
+        self._initialize()
+        if self._train is None or force:
+            self._build_train()
+        self.model.train_function = self._train_function
+        return self._train_function
+
+    def _build_train(self) -> None:
+        model = self.model
+        trainable_refs = list(model.trainable_variables)
+        metric_refs = list(model.metrics_variables)
+        n_grads = sum(int(np.prod(v.shape)) for v in trainable_refs)
+        n_states = sum(int(np.prod(v.shape)) for v in metric_refs)
+        self._n_grads, self._n_states = n_grads, n_states
+
+        def local(trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, tail):
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
+                                      optimizer_variables=optimizer)
+            unscaled, y_pred, non_trainable, metrics = aux
+            _, metrics = model._update_metrics_variables(metrics, unscaled, x, y, y_pred, sample_weight)
+            vector = jnp.concatenate([*(g * weight for g in _flat(grads)), *_flat(metrics), tail])
+            return vector, non_trainable, metrics
+
+        def idle(metrics, tail):
+            return jnp.concatenate([jnp.zeros(n_grads, jnp.float32), *_flat(metrics), tail])
+
+        def apply(trainable, optimizer, summed):
+            grads = _split(summed, trainable_refs)
+            trainable, optimizer = model.optimizer.stateless_apply(optimizer, grads, trainable)
+            return trainable, optimizer, self._results(summed, metric_refs, n_grads)
+
+        self._local = jax.jit(local, donate_argnums=(1, 2))
+        self._idle = jax.jit(idle)
+        self._apply = jax.jit(apply, donate_argnums=(0, 1))
+        self._train = True
+
+    def _results(self, summed, metric_refs: list, offset: int) -> dict:
+        """Keras's metric results with every state replaced by its sum over ranks (traced)."""
+        values = _split(summed, metric_refs, offset)
+        with keras.StatelessScope(state_mapping=list(zip(metric_refs, values))):
+            out = {}
+            for metric in self.model.metrics:
+                value = metric.result()
+                out.update(value if isinstance(value, dict) else {metric.name: value})
+        return out
+
+    def _train_function(self, state, iterator):
+        data = next(iterator)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        plan = self.balancer.planner.take(_rows(x))
+        if not self.balancer.calibrated:
+            self._calibrate(state, x, y, sample_weight, plan)
+        if self.user_train_step is not None:
+            return self._custom_train(state, data, plan)
+        trainable, non_trainable, optimizer, metrics = state
+        self._fresh = None
+        self._compiled = False
+        self.timing.begin()
+        tail = np.asarray([float(plan.local), *self.timing.vector()], dtype=np.float32)
+        if plan.local > 0:
+            weight = np.float32(plan.weight)
+            vector, non_trainable, metrics = self._timed_first(
+                "train", plan.local, lambda: self._local(trainable, non_trainable, metrics, optimizer, x, y,
+                                                         sample_weight, weight, tail))
+        else:
+            vector = self._timed_first("idle", 0, lambda: self._idle(metrics, tail))
+        jax.block_until_ready(vector)  # JAX runs asynchronously: computing is not waiting for the others
+        with self.timing.waiting():
+            summed = self.comm.reduce(vector, "summing gradients")
+        trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
+        self._record(summed[self._n_grads + self._n_states + 1 :])
+        jax.block_until_ready(trainable)  # the update belongs to this step's time, not the next one's
+        self.timing.end(plan.local)
+        if self._compiled:
+            self.timing.discard()
+        return logs, (trainable, non_trainable, optimizer, metrics)
+
+    def _record(self, timing) -> None:
+        self.balancer.record(StepRecord.from_vector([float(v) for v in timing], self.comm.world_size, complete=True))
+
+    def _calibrate(self, state, x, y, sample_weight, plan) -> None:
+        trainable, non_trainable, optimizer, metrics = state
+
+        def solo() -> tuple[float, float]:
+            if plan.local == 0 or self.user_train_step is not None:
+                return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
+            return self._solo_rate(trainable, non_trainable, metrics, optimizer, x, y, sample_weight, plan.local)
+
+        self.balancer.calibrate(solo, lambda v: self.comm.sum_floats(v, "calibrating"),
+                                self.parallel.steps_per_epoch)
+
+    def _solo_rate(self, trainable, non_trainable, metrics, optimizer, x, y, sample_weight, rows: int, *,
+                   min_steps: int = 2, min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
+        """Samples/s of this rank's forward and backward passes alone (compiling first, untimed)."""
+        model = self.model
+
+        def grads(trainable, non_trainable, metrics, optimizer, x, y, sample_weight):
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            return grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
+                           optimizer_variables=optimizer)[1]
+
+        fn = jax.jit(grads)
+        args = (trainable, non_trainable, metrics, optimizer, x, y, sample_weight)
+        began = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        timed: list[float] = []
+        while True:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            timed.append(time.perf_counter() - t0)
+            if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
+                break
+        return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
+
+    # ---------------------------------------------------------- custom training
+    def _custom_train(self, state, data, plan):
+        """A ``train_step`` of the model's own, run eagerly: each ``optimizer.stateless_apply`` it calls
+        applies the gradients times ``b_r / B`` summed over ranks.
+
+        A rank with no rows runs the step on its last batch with gradient
+        weight 0 (so that it makes the same optimizer calls as the others),
+        and keeps its non-trainable and metric states as they were.
+        """
+        idle = plan.local == 0
+        if not idle:
+            self._last_batch = data
+        elif self._last_batch is None:
+            raise RuntimeError("multigpu: this rank has no rows in the first training step, so it cannot run the "
+                               "model's own train_step alongside the others; use a global batch of at least "
+                               f"{self.comm.world_size} rows. Received: shares {list(plan.sizes)}")
+        self._fresh = None
+        self.timing.begin()
+        with self._summed_optimizers(0.0 if idle else plan.weight):
+            logs, new_state = self.user_train_step(self.model, state, self._last_batch if idle else data)
+        if idle:
+            new_state = (new_state[0], state[1], new_state[2], state[3])
+        logs = self._global_logs(logs, new_state[3], 0 if idle else plan.local)
+        self.timing.end(plan.local)
+        return logs, new_state
+
+    def _optimizers(self) -> list:
+        found = [self.model.optimizer] if getattr(self.model, "optimizer", None) is not None else []
+        for value in vars(self.model).values():
+            if isinstance(value, keras.optimizers.Optimizer) and value not in found:
+                found.append(value)
+        return found
+
+    @contextmanager
+    def _summed_optimizers(self, weight: float):
+        """Within the block, every optimizer's ``stateless_apply`` applies the weighted gradients summed over
+        ranks (one collective per call)."""
+        patched = []
+        for optimizer in self._optimizers():
+            original = optimizer.stateless_apply
+
+            def summed_apply(optimizer_variables, grads, trainable_variables, _original=original):
+                flat = jax.block_until_ready(
+                    jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))]))
+                with self.timing.waiting():
+                    summed = self.comm.reduce(flat, "summing gradients")
+                return _original(optimizer_variables, _split(jnp.asarray(summed), list(grads)),
+                                 trainable_variables)
+
+            object.__setattr__(optimizer, "stateless_apply", summed_apply)
+            patched.append(optimizer)
+        try:
+            yield
+        finally:
+            for optimizer in patched:
+                object.__delattr__(optimizer, "stateless_apply")
+
+    def _global_logs(self, logs: dict, metrics: list, rows: int) -> dict:
+        """The step's logs over every rank: metrics from summed states, other scalars as rows-weighted means;
+        the step timings travel in the same collective."""
+        refs = list(self.model.metrics_variables)
+        with keras.StatelessScope(state_mapping=list(zip(refs, metrics))):
+            names = set(self.keras_metrics_result())
+        extra = [k for k in logs if k not in names]
+        for k in extra:
+            if np.size(logs[k]) != 1:
+                raise ValueError(f"multigpu: the step logged {k!r} with shape {tuple(np.shape(logs[k]))}; logs must "
+                                 "be metrics (in model.metrics) or scalars, so that every rank can show the global "
+                                 "value.")
+        tail = np.asarray([*(float(logs[k]) * rows for k in extra), float(rows), *self.timing.vector()], np.float32)
+        n_states = sum(int(np.prod(v.shape)) for v in refs)
+        summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat(metrics), jnp.asarray(tail)]),
+                                  "summing the step's logs")
+        out = dict(self._results(jnp.asarray(summed), refs, 0))
+        total = float(summed[n_states + len(extra)])
+        for i, k in enumerate(extra):
+            out[k] = float(summed[n_states + i]) / total if total else 0.0
+        self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
+                                                    self.comm.world_size, complete=True))
+        self._fresh = out
+        return {k: out[k] for k in logs if k in out}
+
+    # ---------------------------------------------------------- evaluation
+    def make_test_function(self, force: bool = False):
+        self._check_execution()
+        self._initialize()
+        if self._test is None or force:
+            self._build_test()
+        self.model.test_function = self._test_function
+        return self._test_function
+
+    def _build_test(self) -> None:
+        model = self.model
+        metric_refs = list(model.metrics_variables)
+        n_states = sum(int(np.prod(v.shape)) for v in metric_refs)
+
+        def local(trainable, non_trainable, metrics, x, y, sample_weight):
+            _, aux = model.compute_loss_and_updates(trainable, non_trainable, metrics, x, y, sample_weight,
+                                                    training=False)
+            unscaled, y_pred, non_trainable, metrics = aux
+            _, metrics = model._update_metrics_variables(metrics, unscaled, x, y, y_pred, sample_weight)
+            return non_trainable, metrics
+
+        def results(summed):
+            return self._results(summed, metric_refs, 0)
+
+        self._test_local = jax.jit(local, donate_argnums=(2,))
+        self._test_pack = jax.jit(lambda metrics: jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat(metrics)]))
+        self._test_results = jax.jit(results)
+        self._test_n = n_states
+        self._test = True
+
+    def _test_function(self, state, iterator):
+        data = next(iterator)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        trainable, non_trainable, metrics = state
+        rows = _rows(x)
+        self._fresh = None
+        if rows > 0:
+            non_trainable, metrics = self._timed_first(
+                "test", rows, lambda: self._test_local(trainable, non_trainable, metrics, x, y, sample_weight))
+        summed = self.comm.reduce(self._test_pack(metrics), "summing the step's metrics")
+        logs = self._test_results(summed)
+        self._fresh = logs
+        return logs, (trainable, non_trainable, metrics)
+
+    # ---------------------------------------------------------- prediction
+    def make_predict_function(self, force: bool = False):
+        self._check_execution()
+        self._initialize()
+        if self._predict is None or force:
+            model = self.model
+            step = model.predict_step  # a predict_step of the model's own is stateless code too
+
+            def predict(state, data):
+                outputs, non_trainable = step(state, data)
+                return outputs, (state[0], non_trainable)
+
+            self._predict = jax.jit(predict)
+        self.model.predict_function = self._predict_function
+        return self._predict_function
+
+    def _predict_function(self, state, iterator):
+        data = next(iterator)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        if _rows(x) > 0:
+            return self._predict(state, data)
+        # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
+        one = keras.tree.map_structure(lambda a: None if a is None else jnp.zeros((1, *a.shape[1:]), a.dtype), x)
+        outputs, state = self._predict(state, (one,))
+        return keras.tree.map_structure(lambda a: a[:0], outputs), state
+
+    # ---------------------------------------------------------- metrics
+    def get_metrics_result(self):
+        """Global results; Keras's own (local) ones while JAX traces a function (a step, a shape inference)."""
+        if isinstance(jnp.zeros(()), jax.core.Tracer):
+            return self.keras_metrics_result()
+        if self._fresh is None:
+            refs = list(self.model.metrics_variables)
+            summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat([v.value for v in refs])]),
+                                      "summing metrics")
+            self._fresh = jax.jit(lambda s: self._results(s, refs, 0))(summed)
+        return {k: np.asarray(v) if hasattr(v, "shape") and v.shape else float(v) for k, v in self._fresh.items()}
+
+    def reset_metrics(self):
+        self._fresh = None
+        return self.keras_reset_metrics()
+
+    # ---------------------------------------------------------- between epochs
+    def realign_replicas(self) -> None:
+        """Nothing to do: every rank is a CPU device and computes bit-identical updates."""
+
+    def sync_batchnorm_statistics(self) -> None:
+        """BatchNorm moving statistics averaged over ranks, weighted by share."""
+        variables, seen = [], set()
+        for layer in _compat.flatten_layers(self.model):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                for v in layer.non_trainable_variables:
+                    if id(v) not in seen:
+                        seen.add(id(v))
+                        variables.append(v)
+        if not variables:
+            return
+        ratios = self.balancer.ratios
+        weight = ratios[self.comm.rank] / sum(ratios)
+        values = [np.asarray(v.value) for v in variables]
+        flat = np.concatenate([a.reshape(-1).astype(np.float32) for a in values]) * np.float32(weight)
+        summed = self.comm.reduce(flat, "averaging BatchNorm statistics")
+        offset = 0
+        for v, a in zip(variables, values):
+            v.assign(summed[offset : offset + a.size].reshape(a.shape).astype(a.dtype))
+            offset += a.size

@@ -1,0 +1,181 @@
+"""The JAX backend (``KERAS_BACKEND=jax``) on real processes, against one plain JAX process.
+
+The same scripts as the torch tests: ``exactness.py`` (Dense, Conv2D, GRU,
+Embedding, L2; SGD and Adam; 193 rows at global batch 64, so the last step has
+one row and some ranks none) and ``keras_features.py`` (two inputs and
+outputs, sample and class weights, BatchNorm, Dropout, validation, callbacks,
+checkpoints, evaluate, predict).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import SCRIPTS
+from tests.test_exactness import ROWS, TOLERANCE, load, max_relative_error
+from tests.test_keras import load as load_features
+from tests.test_keras import rel
+from tests.test_reliability import LONG, RUN, wait_for
+
+pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+JAX = {"KERAS_BACKEND": "jax", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+
+
+def _plain(script: str, *args: str, cwd) -> None:
+    res = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, check=False,
+                         text=True, timeout=150, env={**os.environ, **JAX}, cwd=cwd)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plain_jax")
+    _plain("exactness.py", str(folder / "plain.npz"), "--plain", "--rows", ROWS, cwd=folder)
+    return load(folder / "plain.npz")
+
+
+@pytest.mark.parametrize("ratios", ["3,1", "1,2,5"])
+def test_parallel_run_matches_single_device_on_jax(runner, reference, ratios):
+    n = len(ratios.split(","))
+    out = runner.tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
+                     str(SCRIPTS / "exactness.py"), str(out), "--rows", ROWS, extra_env={"KERAS_BACKEND": "jax"})
+    assert res.returncode == 0, res.stdout
+    got = load(out)
+    for name, tolerance in TOLERANCE.items():
+        ref_weights, ref_history = reference[name]
+        weights, history = got[name]
+        assert max_relative_error(ref_weights, weights) <= tolerance, name
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=tolerance)
+    for r in range(1, n):  # every rank ends with the same weights and the same global history
+        other = load(f"{out}.rank{r}.npz")
+        for name in TOLERANCE:
+            assert max_relative_error(got[name][0], other[name][0]) == 0.0
+            assert other[name][1] == got[name][1]
+    assert runner.leftovers() == []
+
+
+def test_keras_features_on_jax(runner):
+    folder = runner.tmp_path
+    _plain("keras_features.py", "two_output", str(folder / "plain"), "--plain", cwd=folder)
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "keras_features.py"), "two_input,two_output",
+                     str(folder / "par"), extra_env={"KERAS_BACKEND": "jax"}, timeout=150)
+    assert res.returncode == 0, res.stdout
+    plain = load_features(folder / "plain-two_output.npz")
+    r0, r1 = load_features(folder / "par-two_output.npz"), load_features(folder / "par-two_output.npz.rank1.npz")
+    assert rel(plain["weights"], r0["weights"]) < 1e-5
+    for key in plain["history"]:
+        np.testing.assert_allclose(r0["history"][key], plain["history"][key], rtol=1e-5)
+    for key, value in plain["evaluate"].items():
+        assert r0["evaluate"][key] == pytest.approx(value, rel=1e-5)
+        assert r1["evaluate"][key] == r0["evaluate"][key]
+    for key in ("pred_reg", "pred_cls"):
+        np.testing.assert_allclose(r0[key], plain[key], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(r0[key], r1[key])
+    # Callbacks saw the same global logs on both ranks; Dropout draws differ; BatchNorm statistics agree.
+    t0, t1 = load_features(folder / "par-two_input.npz"), load_features(folder / "par-two_input.npz.rank1.npz")
+    assert t0["history"] == t1["history"] and "val_loss" in t0["history"]
+    assert float(t0["lr"]) == float(t1["lr"]) < 0.01
+    assert not np.array_equal(t0["mask"], t1["mask"])
+    np.testing.assert_array_equal(t0["weights_moving"], t1["weights_moving"])
+    assert bool(t0["api_loaded"]) and bool(t1["api_loaded"])
+    assert ".keras" in t0["save_error"][0] and t0["save_error"] == t1["save_error"]
+    assert res.stdout.count("multigpu: 2 device(s): CPU:0 75%, CPU:1 25%") == 1
+    # The best checkpoint is a plain Keras file that a process without multigpu loads.
+    code = ("import sys, keras\n"
+            f"keras.saving.load_model({str(folder / 'best.keras')!r})\n"
+            "assert 'multigpu' not in sys.modules\nprint('loaded ok')\n")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, text=True, timeout=60,
+                            env={**os.environ, **JAX})
+    assert "loaded ok" in loaded.stdout, loaded.stdout + loaded.stderr
+    assert runner.leftovers() == []
+
+
+def test_a_custom_jax_train_step_matches_one_device(runner):
+    """keras.io's JAX train_step (stateless_apply, metrics' stateless updates, an extra scalar log), 3:1,
+    with a last step where rank 1 has no rows: weights and logs as on one device."""
+    folder = runner.tmp_path
+    _plain("custom_jax.py", str(folder / "plain.npz"), "--plain", cwd=folder)
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "custom_jax.py"),
+                     str(folder / "par.npz"), extra_env={"KERAS_BACKEND": "jax"})
+    assert res.returncode == 0, res.stdout
+    plain, par = np.load(folder / "plain.npz"), np.load(folder / "par.npz")
+    other = np.load(folder / "par.npz.rank1.npz")
+    for name, tolerance in TOLERANCE.items():
+        keys = sorted(k for k in plain.files if k.startswith(f"{name}.w"))
+        assert max_relative_error([plain[k] for k in keys], [par[k] for k in keys]) <= tolerance, name
+        assert max_relative_error([par[k] for k in keys], [other[k] for k in keys]) == 0.0
+        want, got = (json.loads(str(d[f"{name}.history"])) for d in (plain, par))
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(got[key], want[key], rtol=tolerance)
+        assert got["scale"] == [2.0, 2.0]
+    assert runner.leftovers() == []
+
+
+def test_what_jax_does_not_have_yet_fails_clearly_before_any_rank_starts(runner):
+    script = runner.tmp_path / "custom.py"
+    script.write_text(
+        "import keras, numpy as np, multigpu\n"
+        "class Own(keras.Model):\n"
+        "    def test_step(self, state, data):\n"
+        "        return super().test_step(state, data)\n"
+        "inp = keras.Input((3,))\n"
+        "model = Own(inp, keras.layers.Dense(1)(inp))\n"
+        "multigpu.parallelize(model, devices=['cpu:0', 'cpu:1'])\n"
+    )
+    res = runner.run([sys.executable, str(script)], 90, {"KERAS_BACKEND": "jax"})
+    assert res.returncode != 0
+    assert "does not support a test_step of the model's own" in res.stdout
+    assert "KERAS_BACKEND=torch" in res.stdout
+    assert "Gloo" not in res.stdout  # no rank joined a run
+    assert runner.leftovers() == []
+
+
+def test_check_supported_names_every_missing_feature():
+    import keras
+
+    from multigpu.backend.jax.step import check_supported
+
+    class Own(keras.Model):
+        def test_step(self, *args):
+            return super().test_step(*args)
+
+    inp = keras.Input((3,))
+    model = Own(inp, keras.layers.Dense(1)(inp))
+    with pytest.raises(NotImplementedError, match=r"compression, sync_batchnorm=True, a test_step of the model's own"):
+        check_supported(model, "bf16", True)
+    plain = keras.Model(inp, keras.layers.Dense(1)(inp))
+    check_supported(plain, None, False)  # nothing missing: no error
+
+
+def test_a_killed_rank_ends_the_jax_run_naming_it(runner):
+    proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG], {"KERAS_BACKEND": "jax"})
+    m = wait_for(proc, r"rank 1 pid (\d+) training", timeout=90)
+    killed_at = time.monotonic()
+    os.kill(int(m.group(1)), signal.SIGKILL)
+    res = runner.finish(proc, timeout=90)
+    assert time.monotonic() - killed_at < 15
+    assert res.returncode != 0
+    assert "rank 1 (CPU:1) was killed by signal 9" in res.stdout
+    assert runner.leftovers() == []
+
+
+def test_interrupting_a_jax_run_stops_every_rank(runner):
+    proc = runner.start([sys.executable, str(SCRIPTS / "tiny.py"), *LONG], {"KERAS_BACKEND": "jax"})
+    wait_for(proc, r"rank 1 pid \d+ training", timeout=90)
+    sent = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    res = runner.finish(proc, timeout=60)
+    assert time.monotonic() - sent < 10
+    assert res.returncode == 128 + signal.SIGINT
+    assert runner.leftovers() == []
