@@ -21,6 +21,7 @@ from tests.conftest import SCRIPTS
 from tests.test_exactness import ROWS, TOLERANCE, load, max_relative_error
 from tests.test_keras import load as load_features
 from tests.test_keras import rel
+from tests.test_launch import _free_port, read
 from tests.test_reliability import LONG, RUN, wait_for
 
 pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
@@ -183,4 +184,25 @@ def test_interrupting_a_jax_run_stops_every_rank(runner):
     res = runner.finish(proc, timeout=60)
     assert time.monotonic() - sent < 10
     assert res.returncode == 128 + signal.SIGINT
+    assert runner.leftovers() == []
+
+
+def test_torchrun_two_machines_on_loopback_on_jax(runner):
+    """Several machines: torchrun starts each rank through multigpu's entry, which joins before the script runs."""
+    port, coordinator = str(_free_port()), f"127.0.0.1:{_free_port()}"
+    nodes = [runner.start([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+        "-m", "multigpu.runtime.rank_entry", "script", str(SCRIPTS / "tiny.py"), "--devices", "auto",
+        "--rows", "50", "--batch", "16", "--ratios", "3,1", "--out", "tr",
+    ], {**ON_JAX, "JAX_COORDINATOR_ADDRESS": coordinator}) for node in range(2)]
+    for r in [runner.finish(p, timeout=120) for p in nodes]:
+        assert r.returncode == 0, r.stdout
+    one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
+                     "--ratios", "3,1", "--out", "one", timeout=90, extra_env=ON_JAX)
+    assert one.returncode == 0, one.stdout
+    tr, ref = read(runner, "tr", 0), read(runner, "one", 0)
+    assert tr["world_size"] == 2
+    for a, b in zip(tr["weights"], ref["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert runner.leftovers() == []

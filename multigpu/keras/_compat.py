@@ -54,6 +54,8 @@ def check() -> None:
     if _IMPORT_ERROR is not None:
         missing.append(f"keras.src.trainers.data_adapters.data_adapter.DataAdapter ({_IMPORT_ERROR})")
     model_attrs = ("_compute_loss", "_flatten_layers", "compute_metrics", "get_metrics_result", "train_step")
+    if keras.backend.backend() == "jax":
+        model_attrs += ("_update_metrics_variables", "compute_loss_and_updates", "metrics_variables")
     missing += [f"Model.{a}" for a in model_attrs if not hasattr(keras.Model, a)]
     optimizer_attrs = ("apply", "_trainable_variables")
     missing += [f"Optimizer.{a}" for a in optimizer_attrs[:1] if not hasattr(keras.optimizers.Optimizer, a)]
@@ -104,6 +106,11 @@ def call_has_training_arg(model) -> bool:
 def flatten_layers(model) -> list:
     """Every layer nested in ``model`` (``Layer._flatten_layers``)."""
     return list(model._flatten_layers(include_self=False))
+
+
+def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight):
+    """Keras's JAX trainer's stateless metric update (``_update_metrics_variables``): ``(logs, new states)``."""
+    return model._update_metrics_variables(metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)
 
 
 def optimizer_variables(optimizer) -> list:

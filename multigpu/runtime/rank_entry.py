@@ -107,7 +107,8 @@ def exit_code(code: object) -> int:
 
 def _join_early() -> None:
     """On JAX, joins the run before the program runs: JAX allows it only before its first computation."""
-    if os.environ.get("MULTIGPU_RANK") is not None and os.environ.get("KERAS_BACKEND") == "jax":
+    torchrun = all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if (os.environ.get("MULTIGPU_RANK") is not None or torchrun) and os.environ.get("KERAS_BACKEND") == "jax":
         from multigpu.runtime import start
 
         start()

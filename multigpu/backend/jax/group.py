@@ -2,10 +2,12 @@
 
 JAX lets a process join a multi-process run only before its first JAX
 computation, and a user's script builds its model before it calls
-``parallelize``.  So the ranks multigpu starts join as soon as they start,
-before the script runs (:mod:`multigpu.runtime.rank_entry` calls
-:func:`multigpu.runtime.start` first when ``KERAS_BACKEND=jax``); ``join`` at
-``parallelize`` time then finds the run already joined.
+``parallelize``.  So the ranks join as soon as they start, before the script
+runs (:mod:`multigpu.runtime.rank_entry` calls :func:`multigpu.runtime.start`
+first when ``KERAS_BACKEND=jax``); ``join`` at ``parallelize`` time then finds
+the run already joined.  On several machines, torchrun starts each rank
+through the same entry: ``torchrun ... -m multigpu.runtime.rank_entry script
+train.py ARGS``.
 
 Rank 0 hosts JAX's coordinator on the port the supervisor chose: it closes the
 listening socket the supervisor opened for it just before (no process can
@@ -48,12 +50,12 @@ def join(runtime) -> None:
 
     from multigpu.runtime import fail
 
-    if runtime.mode == "torchrun" or xla_bridge.backends_are_initialized():
+    if xla_bridge.backends_are_initialized():
+        how = ("`torchrun ... -m multigpu.runtime.rank_entry script train.py ...`" if runtime.mode == "torchrun"
+               else "`python train.py` (parallelize starts the devices) or `multigpu run --devices ... train.py`")
         raise RuntimeError(
-            "multigpu on JAX joins a run before the program's first JAX computation, which only the processes "
-            "multigpu starts can do: run the script with `python train.py` (parallelize starts the devices) or "
-            "`multigpu run --devices ... train.py`. Received: a process that "
-            + ("torchrun started" if runtime.mode == "torchrun" else "computed with JAX before joining")
+            "multigpu on JAX joins a run before the program's first JAX computation, which only a rank that "
+            f"multigpu starts can do: run it as {how}. Received: a process that computed with JAX before joining"
         )
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -63,7 +65,7 @@ def join(runtime) -> None:
     fd = os.environ.pop(env.STORE_FD, None)
     if fd is not None:  # the supervisor's listening socket: free the port for JAX's coordinator
         os.close(int(fd))
-    address = f"{os.environ.get(env.MASTER_ADDR, '127.0.0.1')}:{os.environ[env.MASTER_PORT]}"
+    address = _coordinator(runtime)
     try:
         jax.distributed.initialize(address, num_processes=runtime.world_size, process_id=runtime.rank,
                                    initialization_timeout=max(1, int(runtime.timeout)))
@@ -71,6 +73,32 @@ def join(runtime) -> None:
         fail(f"could not join the run through jax.distributed at {address}: {type(exc).__name__}: "
              f"{str(exc).splitlines()[0] if str(exc) else ''}")
     _JOINED = True
+    if runtime.mode == "torchrun":
+        _learn_devices(runtime)
+
+
+def _coordinator(runtime) -> str:
+    """Where JAX's coordinator listens: the supervisor's port; under torchrun, ``JAX_COORDINATOR_ADDRESS``
+    or the port after torchrun's own (``MASTER_PORT + 1`` on ``MASTER_ADDR``)."""
+    if runtime.mode == "torchrun":
+        return os.environ.get("JAX_COORDINATOR_ADDRESS") or (
+            f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}")
+    return f"{os.environ.get(env.MASTER_ADDR, '127.0.0.1')}:{os.environ[env.MASTER_PORT]}"
+
+
+def _learn_devices(runtime) -> None:
+    """Under torchrun each machine knows its own devices only: every rank's spec, gathered."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from multigpu.devices import parse_devices
+
+    mine = np.zeros(64, dtype=np.uint8)
+    raw = runtime.device.spec.encode()[:64]
+    mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    specs = [bytes(row).rstrip(b"\0").decode() for row in np.asarray(multihost_utils.process_allgather(mine))]
+    runtime.devices = [runtime.device if r == runtime.rank else parse_devices([s], num_gpus=10**6)[0]
+                       for r, s in enumerate(specs)]
 
 
 def leave(failed: bool) -> None:

@@ -184,7 +184,7 @@ class JaxSteps:
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
                                       optimizer_variables=optimizer)
             unscaled, y_pred, non_trainable, metrics = aux
-            _, metrics = model._update_metrics_variables(metrics, unscaled, x, y, y_pred, sample_weight)
+            _, metrics = _compat.update_metrics_variables(model, metrics, unscaled, x, y, y_pred, sample_weight)
             vector = jnp.concatenate([*(g * weight for g in _flat(grads)), *_flat(metrics), tail])
             return vector, non_trainable, metrics
 
@@ -236,7 +236,6 @@ class JaxSteps:
             summed = self.comm.reduce(vector, "summing gradients")
         trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
         self._record(summed[self._n_grads + self._n_states + 1 :])
-        jax.block_until_ready(trainable)  # the update belongs to this step's time, not the next one's
         self.timing.end(plan.local)
         if self._compiled:
             self.timing.discard()
@@ -379,7 +378,7 @@ class JaxSteps:
             _, aux = model.compute_loss_and_updates(trainable, non_trainable, metrics, x, y, sample_weight,
                                                     training=False)
             unscaled, y_pred, non_trainable, metrics = aux
-            _, metrics = model._update_metrics_variables(metrics, unscaled, x, y, y_pred, sample_weight)
+            _, metrics = _compat.update_metrics_variables(model, metrics, unscaled, x, y, y_pred, sample_weight)
             return non_trainable, metrics
 
         def results(summed):
