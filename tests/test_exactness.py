@@ -19,10 +19,10 @@ ROWS = "193"
 TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
 
 
-def load(path) -> dict:
+def load(path, names=tuple(TOLERANCE)) -> dict:
     data = np.load(path)
     out = {}
-    for name in TOLERANCE:
+    for name in names:
         out[name] = ([data[k] for k in sorted((k for k in data.files if k.startswith(f"{name}.w")),
                                               key=lambda k: int(k.split(".w")[1]))],
                      json.loads(str(data[f"{name}.history"])))

@@ -1,8 +1,8 @@
 """The JAX backend (``KERAS_BACKEND=jax``) on real processes, against one plain JAX process.
 
 The same scripts as the torch tests: ``exactness.py`` (Dense, Conv2D, GRU,
-Embedding, L2; SGD and Adam; 193 rows at global batch 64, so the last step has
-one row and some ranks none) and ``keras_features.py`` (two inputs and
+Embedding, L2; SGD and Adam at 3:1, Adam at 1:2:5; 193 rows at global batch
+64, so the last step has one row and some ranks none) and ``keras_features.py`` (two inputs and
 outputs, sample and class weights, BatchNorm, Dropout, validation, callbacks,
 checkpoints, evaluate, predict).
 """
@@ -49,23 +49,25 @@ def reference(tmp_path_factory):
     return load(folder / "plain.npz")
 
 
-@pytest.mark.parametrize("ratios", ["3,1", "1,2,5"])
-def test_parallel_run_matches_single_device_on_jax(runner, reference, ratios):
+@pytest.mark.parametrize(("ratios", "optimizers"), [("3,1", "sgd,adam"), ("1,2,5", "adam")])
+def test_parallel_run_matches_single_device_on_jax(runner, reference, ratios, optimizers):
     n = len(ratios.split(","))
     out = runner.tmp_path / "par.npz"
     res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
-                     str(SCRIPTS / "exactness.py"), str(out), "--rows", ROWS, extra_env=ON_JAX)
+                     str(SCRIPTS / "exactness.py"), str(out), "--rows", ROWS, "--optimizers", optimizers,
+                     extra_env=ON_JAX)
     assert res.returncode == 0, res.stdout
-    got = load(out)
-    for name, tolerance in TOLERANCE.items():
+    got = load(out, optimizers.split(","))
+    for name in optimizers.split(","):
+        tolerance = TOLERANCE[name]
         ref_weights, ref_history = reference[name]
         weights, history = got[name]
         assert max_relative_error(ref_weights, weights) <= tolerance, name
         for key in ("loss", "accuracy"):
             np.testing.assert_allclose(history[key], ref_history[key], rtol=tolerance)
     for r in range(1, n):  # every rank ends with the same weights and the same global history
-        other = load(f"{out}.rank{r}.npz")
-        for name in TOLERANCE:
+        other = load(f"{out}.rank{r}.npz", optimizers.split(","))
+        for name in optimizers.split(","):
             assert max_relative_error(got[name][0], other[name][0]) == 0.0
             assert other[name][1] == got[name][1]
     assert runner.leftovers() == []
@@ -147,23 +149,6 @@ def test_what_jax_does_not_have_yet_fails_clearly_before_any_rank_starts(runner)
     assert runner.leftovers() == []
 
 
-def test_check_supported_names_every_missing_feature():
-    import keras
-
-    from multigpu.backend.jax.step import check_supported
-
-    class Own(keras.Model):
-        def test_step(self, *args):
-            return super().test_step(*args)
-
-    inp = keras.Input((3,))
-    model = Own(inp, keras.layers.Dense(1)(inp))
-    with pytest.raises(NotImplementedError, match=r"compression, sync_batchnorm=True, a test_step of the model's own"):
-        check_supported(model, "bf16", True)
-    plain = keras.Model(inp, keras.layers.Dense(1)(inp))
-    check_supported(plain, None, False)  # nothing missing: no error
-
-
 def test_a_killed_rank_ends_the_jax_run_naming_it(runner):
     proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG], ON_JAX)
     m = wait_for(proc, r"rank 1 pid (\d+) training", timeout=90)
@@ -173,17 +158,6 @@ def test_a_killed_rank_ends_the_jax_run_naming_it(runner):
     assert time.monotonic() - killed_at < 15
     assert res.returncode != 0
     assert "rank 1 (CPU:1) was killed by signal 9" in res.stdout
-    assert runner.leftovers() == []
-
-
-def test_interrupting_a_jax_run_stops_every_rank(runner):
-    proc = runner.start([sys.executable, str(SCRIPTS / "tiny.py"), *LONG], ON_JAX)
-    wait_for(proc, r"rank 1 pid \d+ training", timeout=90)
-    sent = time.monotonic()
-    os.kill(proc.pid, signal.SIGINT)
-    res = runner.finish(proc, timeout=60)
-    assert time.monotonic() - sent < 10
-    assert res.returncode == 128 + signal.SIGINT
     assert runner.leftovers() == []
 
 
