@@ -38,21 +38,9 @@ import numpy as np
 
 from multigpu.balancing.timing import StepRecord
 from multigpu.keras import _compat
+from multigpu.keras.model_parts import batch_rows, batchnorm_layers, optimizers_of, own_method
 
 __all__ = ["JaxSteps", "check_supported"]
-
-
-def _rows(x) -> int:
-    for leaf in keras.tree.flatten(x):
-        if leaf is not None:
-            return int(leaf.shape[0])
-    return 0
-
-
-def _own(cls, name: str):
-    """The class's ``name`` if it overrides Keras's, else None."""
-    method = getattr(cls, name)
-    return None if method is getattr(keras.Model, name) else method
 
 
 def _flat(values) -> list:
@@ -81,7 +69,7 @@ def check_supported(model, compression, sync_batchnorm: bool) -> None:
     cls = type(model)
     missing = [what for what, on in (("compression", compression is not None),
                                      ("sync_batchnorm=True", sync_batchnorm),
-                                     ("a test_step of the model's own", _own(cls, "test_step") is not None))
+                                     ("a test_step of the model's own", own_method(cls, "test_step") is not None))
                if on]
     if missing:
         raise NotImplementedError(
@@ -108,7 +96,7 @@ class JaxSteps:
         self.balancer = parallel.balancer
         check_supported(model, parallel.options.compression, parallel.options.sync_batchnorm)
         cls = type(model)
-        self.user_train_step = _own(cls, "train_step")
+        self.user_train_step = own_method(cls, "train_step")
         self._last_batch = None  # a custom step's last batch with rows, for the steps where this rank has none
         self.keras_reset_metrics = cls.reset_metrics.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
@@ -214,7 +202,7 @@ class JaxSteps:
     def _train_function(self, state, iterator):
         data = next(iterator)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        plan = self.balancer.planner.take(_rows(x))
+        plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
             self._calibrate(state, x, y, sample_weight, plan)
         if self.user_train_step is not None:
@@ -305,11 +293,7 @@ class JaxSteps:
         return logs, new_state
 
     def _optimizers(self) -> list:
-        found = [self.model.optimizer] if getattr(self.model, "optimizer", None) is not None else []
-        for value in vars(self.model).values():
-            if isinstance(value, keras.optimizers.Optimizer) and value not in found:
-                found.append(value)
-        return found
+        return optimizers_of(self.model)
 
     @contextmanager
     def _summed_optimizers(self, weight: float):
@@ -394,7 +378,7 @@ class JaxSteps:
         data = next(iterator)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         trainable, non_trainable, metrics = state
-        rows = _rows(x)
+        rows = batch_rows(x)
         self._fresh = None
         if rows > 0:
             non_trainable, metrics = self._timed_first(
@@ -423,7 +407,7 @@ class JaxSteps:
     def _predict_function(self, state, iterator):
         data = next(iterator)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if _rows(x) > 0:
+        if batch_rows(x) > 0:
             return self._predict(state, data)
         # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
         one = keras.tree.map_structure(lambda a: None if a is None else jnp.zeros((1, *a.shape[1:]), a.dtype), x)
@@ -453,12 +437,11 @@ class JaxSteps:
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks, weighted by share."""
         variables, seen = [], set()
-        for layer in _compat.flatten_layers(self.model):
-            if isinstance(layer, keras.layers.BatchNormalization):
-                for v in layer.non_trainable_variables:
-                    if id(v) not in seen:
-                        seen.add(id(v))
-                        variables.append(v)
+        for layer in batchnorm_layers(self.model):
+            for v in layer.non_trainable_variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    variables.append(v)
         if not variables:
             return
         ratios = self.balancer.ratios

@@ -20,19 +20,13 @@ from __future__ import annotations
 
 import warnings
 
-import keras
 import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
-from multigpu.keras import _compat
+from multigpu.keras.model_parts import batchnorm_layers
 
-__all__ = ["average_statistics", "batchnorm_layers", "install_global_moments"]
-
-
-def batchnorm_layers(model) -> list:
-    """Every ``BatchNormalization`` layer of ``model``, nested ones included."""
-    return [layer for layer in _compat.flatten_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
+__all__ = ["average_statistics", "install_global_moments"]
 
 
 def average_statistics(model, comm, weight: float) -> None:

@@ -31,21 +31,9 @@ from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.balancing.timing import StepRecord
 from multigpu.keras import _compat
+from multigpu.keras.model_parts import batch_rows, optimizers_of, own_method
 
 __all__ = ["TorchSteps"]
-
-
-def _rows(x) -> int:
-    for leaf in keras.tree.flatten(x):
-        if leaf is not None:
-            return int(leaf.shape[0])
-    return 0
-
-
-def _own(cls, name: str):
-    """The class's ``name`` if it overrides Keras's, else None."""
-    method = getattr(cls, name)
-    return None if method is getattr(keras.Model, name) else method
 
 
 class TorchSteps:
@@ -65,13 +53,14 @@ class TorchSteps:
         self.metrics = GlobalMetrics(model, self.comm)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         cls = type(model)
-        self.user_train_step = _own(cls, "train_step")
-        self.user_test_step = _own(cls, "test_step")
-        self.user_predict_step = _own(cls, "predict_step")
+        self.user_train_step = own_method(cls, "train_step")
+        self.user_test_step = own_method(cls, "test_step")
+        self.user_predict_step = own_method(cls, "predict_step")
         self.keras_test_step = keras.Model.test_step.__get__(model)
         self.keras_predict_step = keras.Model.predict_step.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
-        self.keras_compute_metrics = _own(cls, "compute_metrics") is None and _own(cls, "get_metrics_result") is None
+        self.keras_compute_metrics = (own_method(cls, "compute_metrics") is None
+                                      and own_method(cls, "get_metrics_result") is None)
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self._initialized = False
         self._replay: list[tuple] = []
@@ -99,17 +88,13 @@ class TorchSteps:
                 v.value[0] += 1_000_003 * self.comm.rank
 
     def _optimizers(self) -> list:
-        found = [self.model.optimizer] if getattr(self.model, "optimizer", None) is not None else []
-        for value in vars(self.model).values():
-            if isinstance(value, keras.optimizers.Optimizer) and value not in found:
-                found.append(value)
-        return found
+        return optimizers_of(self.model)
 
     # ---------------------------------------------------------- training
     def train_step(self, data):
         self._initialize()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        plan = self.balancer.planner.take(_rows(x))
+        plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
             self._calibrate(x, y, sample_weight, plan)
         self.metrics.invalidate()
@@ -206,7 +191,7 @@ class TorchSteps:
                    max_steps: int = 30) -> tuple[float, float]:
         """Samples/s of forward and backward passes on this rank's batch, alone; every variable restored."""
         model = self.model
-        rows = _rows(x)
+        rows = batch_rows(x)
         variables = list(model.variables)
         saved = [v.value.detach().clone() for v in variables]
         began = time.perf_counter()
@@ -235,7 +220,7 @@ class TorchSteps:
     def test_step(self, data):
         self._initialize()
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        rows = _rows(x)
+        rows = batch_rows(x)
         self.metrics.invalidate()
         logs_local = None
         if rows > 0:
@@ -248,7 +233,7 @@ class TorchSteps:
         self._initialize()
         step = self.keras_predict_step if self.user_predict_step is None else self.user_predict_step.__get__(self.model)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if _rows(x) > 0:
+        if batch_rows(x) > 0:
             return step(data)
         # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
         one = keras.tree.map_structure(
