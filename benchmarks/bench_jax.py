@@ -14,8 +14,9 @@ step near 2 s), global batch ``--batch``:
   into two XLA host devices, equal shares;
 * ``mg2-slow-equal``: multigpu on ``cpu:0`` and ``cpu:1@0.5`` (a cgroup quota of half a core),
   equal shares: what any equal-split tool, Keras's ``DataParallel`` included, does on such devices;
-* ``mg2-slow-auto``: the same devices, automatic shares; its first 30 steps (calibration, the
-  search's first moves and their compilations, ~6 s each) are not timed;
+* ``mg2-slow-auto``: the same devices, automatic shares; its first ``--auto-warmup`` steps
+  (default 30: calibration, the search's first moves and their compilations, ~6 s each) are
+  not timed;
 * ``keras-dp-slow``: Keras's ``DataParallel`` on both cores with 1.5 cores' worth of CPU time (the
   same capacity as a full core beside a half one; a quota cannot slow one XLA host device alone).
 
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--auto-warmup", type=int, default=30, help="untimed steps of the automatic-shares run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "jax.json"))
     a = p.parse_args()
     names = a.configs.split(",")
@@ -68,6 +70,8 @@ def main() -> None:
         for name in names:
             cfg = {"warmup": 3, **CONFIGS[name], "model": "convnet", "width": a.width, "batch": a.batch,
                    "steps": a.steps, "seed": 0}
+            if cfg.get("ratios") == "auto":
+                cfg["warmup"] = a.auto_warmup
             t0 = time.monotonic()
             result = run_config(cfg, timeout=900, stream=False, keep_log=cfg["mode"] == "multigpu")
             result["seconds"] = time.monotonic() - t0
