@@ -4,7 +4,8 @@
 * :func:`own_method`: a model class's override of a Keras ``Model`` method;
 * :func:`optimizers_of`: the optimizers a model's steps may call (``model.optimizer`` and any other
   optimizer attribute, as a GAN has);
-* :func:`batchnorm_layers`: every ``BatchNormalization`` layer, nested ones included.
+* :func:`batchnorm_layers`: every ``BatchNormalization`` layer, nested ones included;
+* :func:`batchnorm_statistics`: their moving statistics, once each.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import keras
 
 from multigpu.keras import _compat
 
-__all__ = ["batch_rows", "batchnorm_layers", "optimizers_of", "own_method"]
+__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "optimizers_of", "own_method"]
 
 
 def batch_rows(x) -> int:
@@ -42,3 +43,14 @@ def optimizers_of(model) -> list:
 def batchnorm_layers(model) -> list:
     """Every ``BatchNormalization`` layer of ``model``, nested ones included."""
     return [layer for layer in _compat.flatten_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def batchnorm_statistics(model) -> list:
+    """The moving mean and variance variables of every ``BatchNormalization`` layer, once each, in layer order."""
+    seen, variables = set(), []
+    for layer in batchnorm_layers(model):
+        for v in layer.non_trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                variables.append(v)
+    return variables

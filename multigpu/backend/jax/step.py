@@ -38,7 +38,7 @@ import numpy as np
 
 from multigpu.balancing.timing import StepRecord
 from multigpu.keras import _compat
-from multigpu.keras.model_parts import batch_rows, batchnorm_layers, optimizers_of, own_method
+from multigpu.keras.model_parts import batch_rows, batchnorm_statistics, optimizers_of, own_method
 
 __all__ = ["JaxSteps", "check_supported"]
 
@@ -436,12 +436,7 @@ class JaxSteps:
 
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks, weighted by share."""
-        variables, seen = [], set()
-        for layer in batchnorm_layers(self.model):
-            for v in layer.non_trainable_variables:
-                if id(v) not in seen:
-                    seen.add(id(v))
-                    variables.append(v)
+        variables = batchnorm_statistics(self.model)
         if not variables:
             return
         ratios = self.balancer.ratios

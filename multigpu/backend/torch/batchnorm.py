@@ -24,19 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
-from multigpu.keras.model_parts import batchnorm_layers
+from multigpu.keras.model_parts import batchnorm_layers, batchnorm_statistics
 
 __all__ = ["average_statistics", "install_global_moments"]
 
 
 def average_statistics(model, comm, weight: float) -> None:
     """Replaces every BatchNorm moving statistic by ``sum_r weight_r * value_r`` over ranks."""
-    seen, variables = set(), []
-    for layer in batchnorm_layers(model):
-        for v in layer.non_trainable_variables:
-            if id(v) not in seen:
-                seen.add(id(v))
-                variables.append(v)
+    variables = batchnorm_statistics(model)
     if not variables:
         return
     values = [v.value.detach() for v in variables]
