@@ -46,11 +46,10 @@ def join(runtime) -> None:
     if _JOINED:
         return
     import jax
-    from jax._src import xla_bridge
 
     from multigpu.runtime import fail
 
-    if xla_bridge.backends_are_initialized():
+    if _backends_initialized():
         how = ("`torchrun ... -m multigpu.runtime.rank_entry script train.py ...`" if runtime.mode == "torchrun"
                else "`python train.py` (parallelize starts the devices) or `multigpu run --devices ... train.py`")
         raise RuntimeError(
@@ -75,6 +74,17 @@ def join(runtime) -> None:
     _JOINED = True
     if runtime.mode == "torchrun":
         _learn_devices(runtime)
+
+
+def _backends_initialized() -> bool:
+    """True once this process has computed with JAX (a JAX internal; a JAX without it lets
+    ``jax.distributed.initialize`` raise instead)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
 
 
 def _coordinator(runtime) -> str:

@@ -423,7 +423,7 @@ class JaxSteps:
             refs = list(self.model.metrics_variables)
             summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat([v.value for v in refs])]),
                                       "summing metrics")
-            self._fresh = jax.jit(lambda s: self._results(s, refs, 0))(summed)
+            self._fresh = self._results(jnp.asarray(summed), refs, 0)  # eagerly: rare, and nothing to compile
         return {k: np.asarray(v) if hasattr(v, "shape") and v.shape else float(v) for k, v in self._fresh.items()}
 
     def reset_metrics(self):
