@@ -1,6 +1,6 @@
 """Automatic shares against the best hand-tuned ratio, on several models and batches, side by side.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~40 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~60 min
     ... benchmarks/bench_balance.py --cases convnet:0.25:256 --no-slowdown                         # one case
 
 Devices ``cpu:0`` and ``cpu:1@0.5`` (rank 1 under a cgroup CPU quota of half a core: needs root).
@@ -13,19 +13,26 @@ processes (``multigpu.bench.runs.run_config``):
   (``--seconds``/2) twice; a point's rate is the mean of its two windows.  Timing every point in
   one warm process, interleaved, keeps process-to-process noise (up to 40% between neighbouring
   points when each ran in a process of its own) out of the comparison;
-* **auto**: ``ratios="auto"`` with a fresh profile (calibration at the first step) and online
-  rebalancing, ``--autos`` runs (2; the lower counts); its first steps (calibration and the
-  search) are not timed, the steady rate after them is (``--seconds``).
+* **head to head**: ``--rounds`` rounds (2), each of three runs in fresh processes, one after
+  another, the order turned round every round: **auto** (``ratios="auto"`` with a fresh profile:
+  calibration at the first step, then the online search), the grid's **best** point as fixed
+  shares, and **equal** shares.  All three run the same untimed start (calibration and the search,
+  for auto) and the same timed steps after it (``--seconds``); a configuration's rate is the
+  median of its rounds.
 
-The grid's process runs as many untimed steps before its first window as the auto run's search,
-so that no configuration is timed colder than another.
+The grid's process runs as many untimed steps before its first window as the runs head to head.
+The grid only *finds* the best point; it is timed again head to head because the highest of ten
+noisy points is biased upward (the luckiest window wins), and because a rate in a warm process
+that moves its shares every few seconds is not the rate of a run at fixed shares from the start:
+comparing auto's own run with the grid's highest window measured both effects, not the search.
 
-It reports auto / best grid point and auto / equal for each case.  The cases are the built-in
-convnet, mlp and gru, each at two global batches, and ``benchmarks/outside_model.py``, a model
-nothing in multigpu was tuned on.  Then the **slowdown** run: ``cpu:0`` and ``cpu:1`` at full speed
-with automatic shares, ``cpu:1`` dropped to half a core after step 30; it reports how many steps
-the 5-step throughput takes to come back to 0.9 of the best fixed ratio's throughput at half speed
-(the convnet case of the grid).  Results: printed, and ``benchmarks/results/balance.json``.
+It reports auto / best and auto / equal head to head for each case, and, for reference, auto over
+the grid's highest point. The cases are the built-in convnet, mlp and gru, each at two global
+batches, and ``benchmarks/outside_model.py``, a model nothing in multigpu was tuned on. Then the
+**slowdown** run: ``cpu:0`` and ``cpu:1`` at full speed with automatic shares, ``cpu:1`` dropped
+to half a core after step 30; it reports how many steps the 5-step throughput takes to come back
+to 0.9 of the best fixed ratio's throughput at half speed (the convnet case of the grid). Results:
+printed, and ``benchmarks/results/balance.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,37 +81,44 @@ def sweep(model: str, width: float, batch: int, window: int, warmup: int, passes
     return rates
 
 
-def run_case(case: str, seconds: float, autos: int, log) -> dict:
+def run_case(case: str, seconds: float, rounds: int, log) -> dict:
     model, width, batch = parse_case(case)
     name = "outside" if model == OUTSIDE else model
     step_time = batch / float(run(model, width, batch, [1, 1], 8, 2)["samples_per_second"])
     steps = int(min(300, max(10, seconds / step_time)))
     window = int(min(150, max(4, seconds / 2 / step_time)))
-    # The search needs a few windows of >= 1.5 s each; the auto run's untimed start covers them, and
-    # the grid's process gets the same untimed start, so that no configuration is timed colder.
-    search_steps = int(min(600, max(40, 40 / step_time)))
+    # The search needs several windows of >= 1.5 s each (longer where the machine is noisy); the
+    # untimed start of every run covers them (about 45 s), so that no configuration is timed colder.
+    search_steps = int(min(3000, max(40, 45 / step_time)))
     rates = sweep(model, width, batch, window, search_steps, 2)
     grid = {share: sum(v) / len(v) for share, v in rates.items() if v}
     for share in GRID:
         windows = ", ".join(f"{v:.0f}" for v in rates[share])
         log(f"{name} {batch}: fixed {share:.2f} {grid[share]:.1f}/s (windows {windows})")
-    equal = grid[0.50]
-    autos_run = []
-    for i in range(autos):
-        result = run(model, width, batch, "auto", steps, search_steps)
-        autos_run.append(result)
-        log(f"{name} {batch}: auto run {i + 1}: {result['samples_per_second']:.1f}/s, shares at the end "
-            f"{result.get('shares')}")
-    auto_rates = sorted(float(r["samples_per_second"]) for r in autos_run)
-    auto = auto_rates[(len(auto_rates) - 1) // 2]  # the median run (the lower one of two)
     best_share = max(grid, key=grid.get)
-    log(f"{name} {batch}: auto {auto:.1f}/s = {auto / grid[best_share]:.3f} of the best fixed ({best_share:.2f}), "
-        f"{auto / equal:.2f}x equal")
-    return {"case": case, "model": name, "width": width, "batch": batch, "equal": equal, "grid": grid,
-            "grid_windows": rates, "auto": auto, "auto_runs": auto_rates,
-            "best_share": best_share, "auto_over_best": auto / grid[best_share], "auto_over_equal": auto / equal,
+    configs = {"auto": "auto", "best": [best_share, 1 - best_share], "equal": [1, 1]}
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for i in range(rounds):
+        for config in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
+            result = run(model, width, batch, configs[config], steps, search_steps)
+            runs[config].append(result)
+            shares = f", shares at the end {result.get('shares')}" if config == "auto" else ""
+            log(f"{name} {batch}: round {i + 1}: {config} {result['samples_per_second']:.1f}/s{shares}")
+
+    def median(config: str) -> float:
+        return statistics.median(float(r["samples_per_second"]) for r in runs[config])
+
+    auto, best, equal = median("auto"), median("best"), median("equal")
+    log(f"{name} {batch}: auto {auto:.1f}/s = {auto / best:.3f} of the best fixed ({best_share:.2f}: {best:.1f}/s), "
+        f"{auto / equal:.2f}x equal ({equal:.1f}/s); {auto / grid[best_share]:.3f} of the grid's highest point")
+    return {"case": case, "model": name, "width": width, "batch": batch, "grid": grid, "grid_windows": rates,
+            "best_share": best_share, "auto": auto, "best": best, "equal": equal,
+            "auto_over_best": auto / best, "auto_over_equal": auto / equal,
+            "auto_over_grid_best": auto / grid[best_share],
+            "runs": {k: [float(r["samples_per_second"]) for r in v] for k, v in runs.items()},
             "timed_steps": steps, "window_steps": window, "untimed_steps": search_steps,
-            "auto_shares": [r.get("shares") for r in autos_run], "auto_log": [r.get("log", []) for r in autos_run]}
+            "auto_shares": [r.get("shares") for r in runs["auto"]],
+            "auto_log": [r.get("log", []) for r in runs["auto"]]}
 
 
 def slowdown(best_at_half: float, log) -> dict:
@@ -134,13 +149,14 @@ def slowdown(best_at_half: float, log) -> dict:
 
 def table(results: list[dict]) -> str:
     head = ("| model | batch | " + " | ".join(f"{s:.2f}" for s in GRID)
-            + " | auto | auto / best | auto / equal |")
-    lines = [head, "|---|---:|" + "---:|" * (len(GRID) + 3)]
+            + " | auto | best | equal | auto / best | auto / equal | auto / grid's highest |")
+    lines = [head, "|---|---:|" + "---:|" * (len(GRID) + 6)]
     for r in results:
-        best = r["best_share"]
-        cells = [f"**{r['grid'][s]:.0f}**" if s == best else f"{r['grid'][s]:.0f}" for s in GRID]
+        top = r["best_share"]
+        cells = [f"**{r['grid'][s]:.0f}**" if s == top else f"{r['grid'][s]:.0f}" for s in GRID]
         lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | " + " | ".join(cells)
-                     + f" | {r['auto']:.1f} | {r['auto_over_best']:.3f} | {r['auto_over_equal']:.2f}x |")
+                     + f" | {r['auto']:.1f} | {r['best']:.1f} | {r['equal']:.1f} | {r['auto_over_best']:.3f} | "
+                     f"{r['auto_over_equal']:.2f}x | {r['auto_over_grid_best']:.3f} |")
     return "\n".join(lines)
 
 
@@ -148,7 +164,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="*", default=CASES, help="model:width:batch (model: built-in or file.py:fn)")
     p.add_argument("--seconds", type=float, default=8.0, help="timed seconds per configuration (about)")
-    p.add_argument("--autos", type=int, default=2, help="auto runs per case (the lower median counts)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of auto, best and equal head to head")
     p.add_argument("--no-slowdown", action="store_true", help="skip the mid-run slowdown run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "balance.json"))
     a = p.parse_args()
@@ -158,11 +174,11 @@ def main() -> int:
         print(f"[{time.monotonic() - start:5.0f} s] {message}", flush=True)
 
     log("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    results = [run_case(c, a.seconds, a.autos, log) for c in a.cases]
+    results = [run_case(c, a.seconds, a.rounds, log) for c in a.cases]
     slow = None
     if not a.no_slowdown:
         convnet = next((r for r in results if r["model"] == "convnet" and r["batch"] == 256), None)
-        best = (max(convnet["grid"].values()) if convnet
+        best = (convnet["best"] if convnet
                 else float(run("convnet", 0.25, 256, [0.67, 0.33], 20, 3)["samples_per_second"]))
         slow = slowdown(best, log)
     print("\nsamples/s on cpu:0 + cpu:1@0.5 (fixed shares: the fast device's share)\n" + table(results))

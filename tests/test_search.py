@@ -7,6 +7,7 @@ machines where devices slow each other down), so only measured throughput
 tells the truth.
 """
 
+import itertools
 import random
 
 import pytest
@@ -159,23 +160,48 @@ def test_shares_do_not_drift_where_throughput_barely_depends_on_them():
 def test_min_step_bounds_the_local_batch_sizes_tried():
     """Where each new local batch size compiles (JAX), the search stops at moves of ``min_step``.
 
-    It tries fewer distinct sizes than the search down to one sample, and still ends within
-    a few percent of the best throughput.
+    Every move it tries is at least ``min_step`` of the batch, where the search down to one
+    sample tries smaller ones, and it still ends within a few percent of the best throughput.
     """
-    def sizes_tried(min_step):
-        search = ShareSearch([0.6, 0.4], 256, min_step=min_step)
-        seen = set()
+    def moves_tried(min_step):
+        search = ShareSearch([0.6, 0.4], 256, min_step=min_step, patience=100)
+        sizes = []
         for _ in range(60):
             shares = capped_split(256, search.ratios)
-            seen.add(shares[0])
+            sizes.append(shares[0])
             times = [b / s for b, s in zip(shares, (200, 100))]
             search.observe(Window(tuple(search.ratios), 1280, 5 * max(times), tuple(5 * t for t in times),
                                   tuple(5 * b for b in shares)))
-        return seen, search
+        return [abs(b - a) for a, b in itertools.pairwise(sizes) if a != b], search
 
-    fine, _ = sizes_tried(0.0)
-    coarse, search = sizes_tried(0.02)
-    assert search.settled and len(coarse) < len(fine)
-    assert search.step * 256 >= 0.02 * 256 / 2  # never halved below min_step
+    fine, _ = moves_tried(0.0)
+    coarse, search = moves_tried(0.02)
+    assert search.settled and min(fine) < 5 <= min(coarse), (fine, coarse)
     achieved = 256 / max(b / s for b, s in zip(capped_split(256, search.ratios), (200, 100)))
     assert achieved >= 0.97 * best_throughput((200, 100), batch=256)
+
+
+def test_a_run_of_failed_probes_settles_the_search():
+    """On a noisy machine each failed probe costs a window at worse shares: ``patience`` bounds them."""
+    for patience in (2, 4):
+        search = ShareSearch([2 / 3, 1 / 3], 128, patience=patience)
+        events = drive(search, (200, 100), (1.0, 1.0), 40)
+        kinds = [e.kind for e in events if e.kind in ("keep", "undo", "settle")]
+        first = kinds.index("settle")
+        assert kinds[:first] == ["undo"] * patience, kinds
+        assert f"{patience} moves in a row" in next(e for e in events if e.kind == "settle").reason
+
+
+def test_the_settled_reference_is_a_mean_not_the_luckiest_window():
+    """Once settled, noise alone at the kept shares must not restart the search.
+
+    Against the highest window seen so far, an ordinary window looks like a drop.
+    """
+    restarts = 0
+    for seed in range(20):
+        search = ShareSearch([2 / 3, 1 / 3], 128)
+        drive(search, (200, 100), (1.0, 1.0), 60, noise=0.05, seed=seed)
+        assert search.settled
+        events = drive(search, (200, 100), (1.0, 1.0), 100, noise=0.05, seed=seed + 100)
+        restarts += sum(e.kind == "restart" for e in events)
+    assert restarts <= 1, restarts

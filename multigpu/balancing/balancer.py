@@ -237,7 +237,8 @@ class LoadBalancer:
             self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
                       f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}): undone")
         elif e.kind == "settle":
-            self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s)")
+            self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s): "
+                      f"{e.reason}")
         elif e.kind == "restart":
             self._log(f"searching shares again: {e.reason} ({e.throughput_after:.0f} samples/s, "
                       f"{e.throughput_before:.0f} before)")

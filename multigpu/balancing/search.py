@@ -10,15 +10,19 @@ in bursts, and communication competes with compute.  So the speeds only
 * a move that does not pay is undone; when both ways have failed at a step
   size the step is halved, until it is below one sample, or below
   ``min_step`` where each new local batch size costs a compilation (JAX):
-  the search settles;
+  the search settles.  It also settles after ``patience`` moves in a row
+  were undone: each probe runs a window at worse shares, and on a noisy
+  machine a long run of failed probes costs more than the small moves left
+  could find;
 * while searching, the kept shares are measured again between moves; when
   they run far from before (a device changed speed mid-search, and every
   move would be judged against a stale figure) moves are judged against the
   new figure, and a jump to the shares the speeds call for may be tried again;
 * once settled, the search watches: a drop of the throughput at the kept
-  shares (well beyond the measured noise), or a large imbalance of the
-  compute speeds, starts it again, first with a jump to the shares the speeds
-  call for (a device that slowed down mid-run), judged like any move.
+  shares below the mean of its recent windows (well beyond the measured
+  noise), or a large imbalance of the compute speeds, starts it again, first
+  with a jump to the shares the speeds call for (a device that slowed down
+  mid-run), judged like any move.
 
 Every rank feeds the same all-reduced windows to its own :class:`ShareSearch`,
 so all ranks take the same decisions without another collective.
@@ -111,6 +115,7 @@ class ShareSearch:
         max_step: the largest move, as a fraction of the batch.
         min_step: the smallest move, as a fraction of the batch (and never
             below one sample); the search settles when halving would go below.
+        patience: the search settles after this many undone moves in a row.
     """
 
     ratios: Sequence[float]
@@ -120,6 +125,7 @@ class ShareSearch:
     noise_floor: float = 0.005
     max_step: float = 0.2
     min_step: float = 0.0
+    patience: int = 4
     base: tuple[float, ...] = field(init=False)
     step: float = field(init=False)
     settled: bool = field(default=False, init=False)
@@ -140,6 +146,8 @@ class ShareSearch:
         self._jumped = False  # one jump per search: after it, local moves only
         self._trial_runs: list[float] = []
         self._imbalance = 1.0
+        self._undone = 0  # undone moves since the last kept one
+        self._watched: list[float] = []  # recent windows at the settled shares
 
     # ------------------------------------------------------------ helpers
     def shares(self, ratios: Sequence[float] | None = None) -> list[int]:
@@ -147,10 +155,16 @@ class ShareSearch:
         return capped_split(self.batch_size, ratios if ratios is not None else self.ratios, self.caps)
 
     def noise(self) -> float:
-        """Relative noise of one window's throughput (median of successive differences / sqrt 2)."""
+        """Relative noise of one window's throughput: an estimate of its standard deviation.
+
+        The median of the successive windows' absolute differences, over sqrt 2 (a difference
+        of two windows is sqrt 2 as noisy as one), over 0.6745 (the median of ``|N(0, 1)|``):
+        robust to the odd outlier window, and a standard deviation, so that "3 x noise" means
+        three standard deviations.
+        """
         if len(self._noise) < 2:
             return 0.015  # until measured: a quiet machine
-        return statistics.median(self._noise[-10:]) / math.sqrt(2)
+        return statistics.median(self._noise[-10:]) / math.sqrt(2) / 0.6745
 
     def window_factor(self) -> int:
         """How many standard windows the next measurement should last.
@@ -293,6 +307,7 @@ class ShareSearch:
             self.base = trial
             self._base_runs = runs
             self.changes += 1
+            self._undone = 0
             self._tried.clear()
             if pair is not None:
                 self._momentum = pair
@@ -303,19 +318,24 @@ class ShareSearch:
                 self.step = self.first_step
             return [Event("keep", old, trial, before, throughput, f"{throughput / before - 1:+.1%}")]
         self.ratios = self.base
+        self._undone += 1
         if pair is not None:
             self._tried.add(pair)
             if pair == self._momentum:
                 self._momentum = None
-        return [Event("undo", trial, self.base, before, throughput, f"{throughput / before - 1:+.1%}")]
+        undo = Event("undo", trial, self.base, before, throughput, f"{throughput / before - 1:+.1%}")
+        if self._undone >= self.patience:
+            return [undo, *self._settle(f"{self._undone} moves in a row did not pay")]
+        return [undo]
 
-    def _settle(self) -> list[Event]:
+    def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
         self.settled = True
         self._reference = self._base_throughput()
+        self._watched = [self._reference]
         self._imbalance = self._model()[2]  # what the speeds say at the best shares: their bias, not a change
         self._alarms = 0
-        return [Event("settle", tuple(self.ratios), tuple(self.ratios), self._reference, 0.0,
-                      "no move of one sample or more pays")]
+        self._undone = 0
+        return [Event("settle", tuple(self.ratios), tuple(self.ratios), self._reference, 0.0, why)]
 
     def _watch(self, throughput: float) -> list[Event]:
         _, proposal, imbalance = self._model()
@@ -323,7 +343,9 @@ class ShareSearch:
         skewed = proposal is not None and imbalance > self._imbalance * (1.0 + max(0.15, 4 * self.noise()))
         self._alarms = self._alarms + 1 if (dropped or skewed) else 0
         if self._alarms < 2:
-            self._reference = max(self._reference, throughput) if not dropped else self._reference
+            if not dropped:  # the reference is the mean of recent windows: the max of noisy ones would be too high
+                self._watched = [*self._watched[-4:], throughput]
+                self._reference = statistics.fmean(self._watched)
             return []
         self.settled = False
         self.step = self.first_step
