@@ -18,7 +18,7 @@ COMPRESSION = (None, "bf16", "fp16")
 TRANSPORTS = ("auto", "shm", "gloo")
 _COMMS: dict = {}
 # JAX compiles the step once per local batch size (~6 s for the benchmark convnet on one core), so the
-# share search stops at moves of 2% of the batch there (torch: one sample).
+# share search stops at moves of 2% of the batch there (torch: one sample), and does not open with a scan.
 JAX_MIN_STEP = 0.02
 
 
@@ -197,7 +197,8 @@ def parallelize(
 
     options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
                              profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
-                             caps=caps, report=report, min_step=JAX_MIN_STEP if backend.name() == "jax" else 0.0)
+                             caps=caps, report=report, min_step=JAX_MIN_STEP if backend.name() == "jax" else 0.0,
+                             scan=backend.name() != "jax")
     comm = _COMMS.get(id(runtime))
     if comm is None:
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)

@@ -34,6 +34,7 @@ FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 JAX = {"KERAS_BACKEND": "jax", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
        **FAST_COMPILE}
 ON_JAX = {"KERAS_BACKEND": "jax", **FAST_COMPILE}
+COMPRESSED_TOLERANCE = 1e-2  # bf16 keeps 8 bits of mantissa: about 0.4% per summed gradient
 
 
 def _plain(script: str, *args: str, cwd) -> None:
@@ -70,6 +71,20 @@ def test_parallel_run_matches_single_device_on_jax(runner, reference, ratios, op
         for name in optimizers.split(","):
             assert max_relative_error(got[name][0], other[name][0]) == 0.0
             assert other[name][1] == got[name][1]
+    assert runner.leftovers() == []
+
+
+def test_compression_on_jax_sends_16_bits_and_stays_close(runner, reference):
+    """bf16 gradients (3:1, SGD): near the exact run, every rank alike, and not exact (really 16 bits)."""
+    out = runner.tmp_path / "bf16.npz"
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "exactness.py"), str(out),
+                     "--rows", ROWS, "--optimizers", "sgd", "--compression", "bf16", extra_env=ON_JAX)
+    assert res.returncode == 0, res.stdout
+    weights, history = load(out, ["sgd"])["sgd"]
+    error = max_relative_error(reference["sgd"][0], weights)
+    assert 1e-6 < error <= COMPRESSED_TOLERANCE, error
+    np.testing.assert_allclose(history["loss"], reference["sgd"][1]["loss"], rtol=COMPRESSED_TOLERANCE)
+    assert max_relative_error(weights, load(f"{out}.rank1.npz", ["sgd"])["sgd"][0]) == 0.0
     assert runner.leftovers() == []
 
 
@@ -110,8 +125,8 @@ def test_keras_features_on_jax(runner):
 
 
 def test_a_custom_jax_train_step_matches_one_device(runner):
-    """keras.io's JAX train_step (stateless_apply, metrics' stateless updates, an extra scalar log), 3:1,
-    with a last step where rank 1 has no rows: weights and logs as on one device."""
+    """keras.io's JAX train_step and test_step (stateless_apply, metrics' stateless updates, an extra scalar
+    log), 3:1, with a last step where rank 1 has no rows: weights, logs and evaluate as on one device."""
     folder = runner.tmp_path
     _plain("custom_jax.py", str(folder / "plain.npz"), "--plain", cwd=folder)
     res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "custom_jax.py"),
@@ -127,6 +142,12 @@ def test_a_custom_jax_train_step_matches_one_device(runner):
         for key in ("loss", "mae"):
             np.testing.assert_allclose(got[key], want[key], rtol=tolerance)
         assert got["scale"] == [2.0, 2.0]
+        want, got, got1 = (json.loads(str(d[f"{name}.evaluate"])) for d in (plain, par, other))
+        assert got == got1 and set(got) == {"loss", "mae", "rows"}
+        for key in ("loss", "mae"):
+            assert got[key] == pytest.approx(want[key], rel=tolerance)
+        # an extra scalar is the rows-weighted mean over ranks of the last batch (1 row: rank 1 has none)
+        assert got["rows"] == want["rows"] == 1.0
     assert runner.leftovers() == []
 
 
@@ -134,16 +155,13 @@ def test_what_jax_does_not_have_yet_fails_clearly_before_any_rank_starts(runner)
     script = runner.tmp_path / "custom.py"
     script.write_text(
         "import keras, numpy as np, multigpu\n"
-        "class Own(keras.Model):\n"
-        "    def test_step(self, state, data):\n"
-        "        return super().test_step(state, data)\n"
         "inp = keras.Input((3,))\n"
-        "model = Own(inp, keras.layers.Dense(1)(inp))\n"
-        "multigpu.parallelize(model, devices=['cpu:0', 'cpu:1'])\n"
+        "model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.BatchNormalization()(inp)))\n"
+        "multigpu.parallelize(model, devices=['cpu:0', 'cpu:1'], sync_batchnorm=True)\n"
     )
     res = runner.run([sys.executable, str(script)], 90, ON_JAX)
     assert res.returncode != 0
-    assert "does not support a test_step of the model's own" in res.stdout
+    assert "does not support sync_batchnorm=True" in res.stdout
     assert "KERAS_BACKEND=torch" in res.stdout
     assert "Gloo" not in res.stdout  # no rank joined a run
     assert runner.leftovers() == []

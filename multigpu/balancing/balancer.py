@@ -56,6 +56,9 @@ class BalanceOptions:
         min_step: the search's smallest move, as a fraction of the batch (0: one
             sample).  Where every new local batch size costs a compilation
             (JAX), small moves cost more than they can find.
+        scan: open the search with a scan of far shares (see
+            :class:`~multigpu.balancing.search.ShareSearch`); off where each
+            new local batch size compiles (JAX).
     """
 
     spec: RatioSpec
@@ -66,6 +69,7 @@ class BalanceOptions:
     caps: list[int | None] | None = None
     report: bool = False
     min_step: float = 0.0
+    scan: bool = True
 
 
 @dataclass
@@ -184,7 +188,8 @@ class LoadBalancer:
             return
         if self.search is None or self.search.batch_size != self.batch_size:
             self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
-                                      min_step=self.options.min_step)
+                                      min_step=self.options.min_step,
+                                      **({} if self.options.scan else {"scan": ()}))
             self._window = _Window()
 
     # ------------------------------------------------------------- records
@@ -236,6 +241,9 @@ class LoadBalancer:
         elif e.kind == "undo":
             self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
                       f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}): undone")
+        elif e.kind == "scanned":
+            self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
+                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}, scanning)")
         elif e.kind == "settle":
             self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s): "
                       f"{e.reason}")

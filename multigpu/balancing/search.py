@@ -6,6 +6,14 @@ a PCIe switch or a power budget slow each other down, a throttled device runs
 in bursts, and communication competes with compute.  So the speeds only
 *propose* a move; the global samples/s measured after the move *judge* it:
 
+* first a scan: one window each at the shares the speeds call for and at a
+  few moves of 10% and 25% of the batch both ways; the best, if it beats the
+  start, is measured again like any move (throughput is not always one hill:
+  a throttled device given few rows runs them within its bursts);
+* the speeds are fitted per device as a fixed cost per step plus a cost per
+  row once the measured shares allow it (:class:`StepCosts`): where the fixed
+  part is large, the best shares give the slow device fewer rows than its
+  speed says;
 * a move that pays is kept, and the next one goes further the same way;
 * a move that does not pay is undone; when both ways have failed at a step
   size the step is halved, until it is below one sample, or below
@@ -79,9 +87,12 @@ class Event:
     """One decision of the search, for the log.
 
     Attributes:
-        kind: ``"probe"`` (trying ``after``), ``"jump"`` (trying the shares the
-            compute speeds call for), ``"keep"``, ``"undo"``, ``"settle"``,
-            ``"restart"``, ``"rebase"`` (the kept shares were measured anew).
+        kind: ``"scan"`` (trying ``after`` for one window of the opening scan),
+            ``"scanned"`` (what ``before`` measured there), ``"probe"`` (trying
+            ``after``), ``"jump"`` (trying the shares the compute speeds call
+            for, or the best of the scan), ``"keep"``, ``"undo"``,
+            ``"settle"``, ``"restart"``, ``"rebase"`` (the kept shares were
+            measured anew).
         before: the shares before the decision.
         after: the shares after it.
         throughput_before: samples/s at ``before`` (0 when not measured).
@@ -102,6 +113,101 @@ def _normalize(ratios: Sequence[float]) -> tuple[float, ...]:
     return tuple(float(r) / total for r in ratios)
 
 
+class StepCosts:
+    """Each device's compute time per step as ``fixed + per_row * rows``, fitted to recent windows.
+
+    A device's step costs more than its rows: the framework's per-step work
+    (Python, kernel launches, a throttled device's bursts) is paid whatever
+    the share.  Where that fixed part is large (small models, small batches,
+    a slow device), shares in proportion to the speeds give the slow device
+    too much: the best shares give it fewer rows, or none.  The windows at
+    different shares that the search measures anyway fit both parts, by
+    least squares per device over the last ``keep`` shares measured (each
+    the mean of its last ``depth`` windows, so that a long stay at one share
+    does not push the others out).
+
+    Args:
+        batch_size: the global batch.
+        keep: how many recently measured shares the fit uses.
+        spread: the smallest range of a device's rows over those shares, as a
+            fraction of the batch, for the fit to be trusted.
+        depth: how many recent windows a share's point averages.
+    """
+
+    def __init__(self, batch_size: int, keep: int = 8, spread: float = 0.03, depth: int = 4) -> None:
+        self.batch_size = batch_size
+        self.keep = keep
+        self.spread = spread
+        self.depth = depth
+        # rows per step -> recent compute seconds per step, per device (oldest first)
+        self._points: dict[tuple[float, ...], list[list[float]]] = {}
+
+    def add(self, window: Window) -> None:
+        steps = window.samples / self.batch_size
+        if steps <= 0 or any(t <= 0 for t in window.compute):
+            return
+        rows = tuple(round(n / steps, 6) for n in window.local)
+        runs = self._points.pop(rows, [])
+        self._points[rows] = [*runs[-(self.depth - 1):], [t / steps for t in window.compute]]
+        while len(self._points) > self.keep:
+            del self._points[next(iter(self._points))]
+
+    def clear(self) -> None:
+        self._points = {}
+
+    def describes(self, window: Window, tolerance: float = 0.25) -> bool:
+        """True when the fit predicts every device's compute time in ``window`` within ``tolerance``: after a
+        change of throughput, the devices are the same and the machine was noisy; otherwise a device changed."""
+        costs = self.fit()
+        steps = window.samples / self.batch_size
+        if costs is None or steps <= 0:
+            return False
+        for n, t, (c, k) in zip(window.local, window.compute, costs):
+            predicted = c + k * n / steps
+            if predicted > 0 and abs(t / steps - predicted) > tolerance * predicted:
+                return False
+        return True
+
+    def fit(self) -> list[tuple[float, float]] | None:
+        """Per device ``(fixed seconds, seconds per row)``, or None until the windows span enough shares."""
+        if len(self._points) < 3:
+            return None
+        points = [(rows, [statistics.fmean(run[r] for run in runs) for r in range(len(rows))])
+                  for rows, runs in self._points.items()]
+        out = []
+        for r in range(len(points[0][0])):
+            rows = [p[0][r] for p in points]
+            times = [p[1][r] for p in points]
+            if max(rows) - min(rows) < self.spread * self.batch_size:
+                return None
+            mean_b, mean_t = statistics.fmean(rows), statistics.fmean(times)
+            var = sum((b - mean_b) ** 2 for b in rows)
+            per_row = sum((b - mean_b) * (t - mean_t) for b, t in zip(rows, times)) / var
+            fixed = mean_t - per_row * mean_b
+            if per_row <= 0 or fixed < 0:  # noise beyond what two parameters can say: proportional speeds
+                per_row, fixed = sum(times) / max(sum(rows), 1e-12), 0.0
+            out.append((fixed, per_row))
+        return out
+
+    @staticmethod
+    def step_time(shares: Sequence[int], costs: Sequence[tuple[float, float]]) -> float:
+        """Predicted step time: the slowest device (a device with no rows computes nothing)."""
+        return max((c + k * b if b else 0.0) for b, (c, k) in zip(shares, costs))
+
+    def best_ratios(self, costs: Sequence[tuple[float, float]]) -> tuple[float, ...]:
+        """Shares that end every device's step together: ``fixed_r + per_row_r * b_r = T`` for all devices
+        with rows, ``sum(b_r) = B`` (a device whose fixed part alone exceeds ``T`` gets none)."""
+        lo, hi = 0.0, max(c + k * self.batch_size for c, k in costs)
+        for _ in range(60):
+            t = (lo + hi) / 2
+            if sum(max(0.0, (t - c) / k) for c, k in costs) < self.batch_size:
+                lo = t
+            else:
+                hi = t
+        rows = [max(0.0, (hi - c) / k) for c, k in costs]
+        return _normalize(rows)
+
+
 @dataclass
 class ShareSearch:
     """Finds the shares with the highest measured throughput, and keeps them.
@@ -116,6 +222,16 @@ class ShareSearch:
         min_step: the smallest move, as a fraction of the batch (and never
             below one sample); the search settles when halving would go below.
         patience: the search settles after this many undone moves in a row.
+        fixed_costs: model each device's step as a fixed part plus a part per
+            row once the windows allow it (:class:`StepCosts`).
+        scan: at the start, before moving step by step, one window each at the
+            shares the speeds call for and at moves of these fractions of the
+            batch both ways between the two devices the speeds point at; the
+            best of them, if it beats the start, is measured again and kept if
+            it pays.  Throughput is not always a single hill: a throttled device
+            that gets few rows can run them within its bursts, and a step by
+            step search stops on the plateau before.  ``()`` skips it (JAX,
+            where every new local batch size compiles).
     """
 
     ratios: Sequence[float]
@@ -126,6 +242,8 @@ class ShareSearch:
     max_step: float = 0.2
     min_step: float = 0.0
     patience: int = 4
+    fixed_costs: bool = True
+    scan: tuple[float, ...] = (0.1, 0.25)
     base: tuple[float, ...] = field(init=False)
     step: float = field(init=False)
     settled: bool = field(default=False, init=False)
@@ -143,10 +261,14 @@ class ShareSearch:
         self._reference = 0.0  # throughput when the search settled
         self._alarms = 0
         self._speeds: list[float] | None = None
-        self._jumped = False  # one jump per search: after it, local moves only
         self._trial_runs: list[float] = []
         self._imbalance = 1.0
         self._undone = 0  # undone moves since the last kept one
+        self._costs = StepCosts(self.batch_size)
+        self._window: Window | None = None  # the last window observed
+        self._scan_queue: list[tuple[float, ...]] | None = None  # None: the scan has not started
+        self._scanned: list[tuple[float, tuple[float, ...]]] = []  # (samples/s, shares) of the scan's windows
+        self._jumps: set[tuple[int, ...]] = set()  # where this search has jumped to
         self._watched: list[float] = []  # recent windows at the settled shares
 
     # ------------------------------------------------------------ helpers
@@ -195,17 +317,30 @@ class ShareSearch:
         return new_t if self.shares(new_t) != self.shares(self.base) else None
 
     def _model(self) -> tuple[tuple[int, int] | None, tuple[float, ...] | None, float]:
-        """From the compute speeds: the move they suggest, the shares they call for, the imbalance."""
+        """From the compute times: the move they suggest, the shares they call for, the imbalance.
+
+        Once the windows span enough shares, each device's time is fitted as a
+        fixed part plus a part per row (:class:`StepCosts`); until then the
+        compute speeds are taken as proportional.
+        """
         if self._speeds is None:
             return None, None, 1.0
-        speeds = self._speeds
         now = self.shares(self.base)
-        load = [b / s for b, s in zip(now, speeds)]
+        costs = self._costs.fit() if self.fixed_costs else None
+        if costs is not None:
+            load = [c + k * b for b, (c, k) in zip(now, costs)]
+            proposal = self._costs.best_ratios(costs)
+            best = StepCosts.step_time(self.shares(proposal), costs)
+            now_time = StepCosts.step_time(now, costs)
+        else:
+            speeds = self._speeds
+            load = [b / s for b, s in zip(now, speeds)]
+            proposal = _normalize(speeds)
+            best = predicted_step_time(self.shares(proposal), speeds)
+            now_time = predicted_step_time(now, speeds)
         src = max(range(len(load)), key=lambda r: (load[r], -r))
         dst = min(range(len(load)), key=lambda r: (load[r], r))
-        proposal = _normalize(speeds)
-        best = predicted_step_time(self.shares(proposal), speeds)
-        imbalance = predicted_step_time(now, speeds) / best if best > 0 else 1.0
+        imbalance = now_time / best if best > 0 else 1.0
         return ((src, dst) if src != dst else None), proposal, imbalance
 
     # ---------------------------------------------------------- decisions
@@ -220,11 +355,15 @@ class ShareSearch:
         speeds = window.speeds()
         if speeds is not None:
             self._speeds = speeds
+        self._window = window
         throughput = window.throughput
         if self._trial is not None:
+            self._costs.add(window)
             return self._judge(throughput)
         if not self.settled and self._base_runs and self._shifted(throughput):
             return self._rebase(throughput)
+        if speeds is not None:
+            self._costs.add(window)
         if self._base_runs:
             last = self._base_runs[-1]
             self._noise.append(abs(throughput - last) / max((throughput + last) / 2, 1e-12))
@@ -250,15 +389,47 @@ class ShareSearch:
         """
         before = self._base_throughput()
         self._base_runs = [throughput]
-        self._jumped = False
+        self._jumps.clear()
+        if not self._costs.describes(self._window):
+            self._costs.clear()  # a device changed speed: the fit describes devices that are gone
+        self._costs.add(self._window)
         why = "throughput at the kept shares " + ("fell" if throughput < before else "rose")
         return [Event("rebase", tuple(self.ratios), tuple(self.ratios), before, throughput, why), *self._propose()]
 
+    def _scan_points(self, pair, proposal) -> list[tuple[float, ...]]:
+        """The speeds' shares (if at least half the smallest scan move away), then the moves both ways."""
+        far = proposal is not None and max(abs(a - b) for a, b in zip(proposal, self.base)) >= self.scan[0] / 2
+        points = [tuple(proposal)] if far else []
+        if far:
+            self._jumps.add(tuple(self.shares(proposal)))  # measured by the scan: no jump there later
+        if pair is not None:
+            points += [self._moved(p, d) for d in self.scan for p in (pair, (pair[1], pair[0]))]
+        seen = {tuple(self.shares(self.base))}
+        out = []
+        for point in points:
+            key = tuple(self.shares(point)) if point is not None else None
+            if key is not None and key not in seen:
+                seen.add(key)
+                out.append(point)
+        return out
+
     def _propose(self) -> list[Event]:
         pair, proposal, imbalance = self._model()
-        if proposal is not None and not self._jumped and imbalance > 1.0 + max(0.1, 3 * self.noise()):
-            self._jumped = True
-            if self.shares(proposal) != self.shares(self.base):
+        if self._scan_queue is None and self.scan:
+            self._scan_queue = self._scan_points(pair, proposal)
+        if self._scan_queue:
+            return self._start(self._scan_queue.pop(0), "scan", None, "")
+        if self._scanned:
+            rate, best = max(self._scanned)
+            self._scanned = []
+            if rate > self._base_throughput() * (1 + self._margin()):
+                return self._start(best, "jump", None, f"the best of the scan ({rate:.0f} samples/s)")
+        # At most two jumps per search (from the speeds, then from the fitted costs), never twice to one place.
+        target = tuple(self.shares(proposal)) if proposal is not None else None
+        if (target is not None and target not in self._jumps and len(self._jumps) < 2
+                and imbalance > 1.0 + max(0.1, 3 * self.noise())):
+            self._jumps.add(target)
+            if list(target) != self.shares(self.base):
                 return self._start(proposal, "jump", None, f"compute speeds {imbalance:.2f}x out of balance")
         while self.step * self.batch_size >= max(1.0, self.min_step * self.batch_size):
             candidates = []
@@ -292,8 +463,14 @@ class ShareSearch:
         return [Event(kind, before, trial, self._base_throughput(), 0.0, reason)]
 
     def _judge(self, throughput: float) -> list[Event]:
-        trial, _, pair = self._trial  # type: ignore[misc]
+        trial, kind, pair = self._trial  # type: ignore[misc]
         before = self._base_throughput()
+        if kind == "scan":  # one window, then the next point: the best is judged like any move at the end
+            self._trial = None
+            self._scanned.append((throughput, trial))
+            self.ratios = self.base
+            return [Event("scanned", trial, self.base, before, throughput, f"{throughput / before - 1:+.1%}"),
+                    *self._propose()]
         self._trial_runs.append(throughput)
         measured = statistics.fmean(self._trial_runs)
         margin = self._margin() / math.sqrt(len(self._trial_runs))
@@ -351,7 +528,8 @@ class ShareSearch:
         self.step = self.first_step
         self._tried.clear()
         self._momentum = None
-        self._jumped = False
+        self._jumps.clear()
+        self._costs.clear()  # windows from before a change of speed describe other devices
         self._base_runs = self._base_runs[-1:]
         why = "throughput fell" if dropped else f"compute speeds {imbalance:.2f}x out of balance"
         events = [Event("restart", tuple(self.ratios), tuple(self.ratios), self._reference, throughput, why)]

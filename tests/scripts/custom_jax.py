@@ -1,5 +1,6 @@
-"""A model with its own JAX ``train_step`` (keras.io's "customizing fit() with JAX" guide), trained with
-SGD and Adam; writes the final weights and History to an .npz file.
+"""A model with its own JAX ``train_step`` and ``test_step`` (keras.io's "customizing fit() with JAX"
+guide), trained with SGD and Adam, then evaluated; writes the final weights, History and evaluate's
+results to an .npz file.
 
     KERAS_BACKEND=jax python custom_jax.py OUT.npz --plain          # no multigpu
     KERAS_BACKEND=jax multigpu run --devices cpu:0,cpu:1 --ratios 3,1 custom_jax.py OUT.npz
@@ -40,6 +41,18 @@ class Guide(keras.Model):
                 "scale": 2.0}
         return logs, (trainable, non_trainable, optimizer_variables, tracker + mae)
 
+    def test_step(self, state, data):
+        trainable, non_trainable, metrics_variables = state
+        x, y = data
+        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=False)
+        loss = self.loss_fn(y, y_pred)
+        n = len(self.loss_tracker.variables)
+        tracker = self.loss_tracker.stateless_update_state(metrics_variables[:n], loss, sample_weight=x.shape[0])
+        mae = self.mae_metric.stateless_update_state(metrics_variables[n:], y, y_pred)
+        logs = {"loss": self.loss_tracker.stateless_result(tracker), "mae": self.mae_metric.stateless_result(mae),
+                "rows": float(x.shape[0])}
+        return logs, (trainable, non_trainable, tracker + mae)
+
     @property
     def metrics(self):
         return [self.loss_tracker, self.mae_metric]
@@ -66,6 +79,7 @@ def main() -> None:
             rank = multigpu.rank()
         model.compile(optimizer=keras.optimizers.SGD(0.05) if name == "sgd" else keras.optimizers.Adam(0.01))
         hist = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        arrays[f"{name}.evaluate"] = json.dumps(model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True))
         for i, w in enumerate(model.get_weights()):
             arrays[f"{name}.w{i}"] = w
         arrays[f"{name}.history"] = json.dumps(hist.history)

@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--compression", default=None, choices=["bf16", "fp16"])
     a = p.parse_args()
     arrays, rank = {}, 0
     for name in a.optimizers.split(","):
@@ -57,7 +58,8 @@ def main() -> None:
             import multigpu
 
             ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
-            model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios)
+            model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios,
+                                         compression=a.compression)
             rank = multigpu.rank()
         opt = keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])

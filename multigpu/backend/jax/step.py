@@ -20,10 +20,13 @@ from the data to the weights:
    the whole batch.
 
 A rank with no rows in a step sends zeros and its unchanged metric states.
+With ``compression`` the weighted gradients go in 16 bits, in a collective of
+their own beside the float32 rest (as on torch).
 
 A ``train_step`` of the model's own (JAX's stateless style) runs eagerly:
 each ``optimizer.stateless_apply`` it calls applies the weighted gradients
 summed over ranks, and its logs become global in one collective after it.
+A ``test_step`` of the model's own runs eagerly too, its logs summed alike.
 """
 
 from __future__ import annotations
@@ -60,21 +63,20 @@ def _split(vector, like: list, offset: int = 0) -> list:
     return out
 
 
+COMPRESSION = {None: None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
 def check_supported(model, compression, sync_batchnorm: bool) -> None:
     """Raises, before any process starts, for what the JAX backend does not have yet.
 
     Raises:
         NotImplementedError: naming each missing feature and the torch backend, which has it.
     """
-    cls = type(model)
-    missing = [what for what, on in (("compression", compression is not None),
-                                     ("sync_batchnorm=True", sync_batchnorm),
-                                     ("a test_step of the model's own", own_method(cls, "test_step") is not None))
-               if on]
-    if missing:
+    del compression  # every choice works on JAX (its values are checked by ``parallelize``)
+    if sync_batchnorm:
         raise NotImplementedError(
-            f"multigpu's JAX backend does not support {', '.join(missing)} yet (the torch backend does: "
-            f"KERAS_BACKEND=torch). Received: {cls.__name__} with {', '.join(missing)}"
+            "multigpu's JAX backend does not support sync_batchnorm=True yet (the torch backend does: "
+            f"KERAS_BACKEND=torch). Received: sync_batchnorm=True for {type(model).__name__}"
         )
 
 
@@ -95,9 +97,12 @@ class JaxSteps:
         self.timing = parallel.timing
         self.balancer = parallel.balancer
         check_supported(model, parallel.options.compression, parallel.options.sync_batchnorm)
+        self.half = COMPRESSION[parallel.options.compression]
         cls = type(model)
         self.user_train_step = own_method(cls, "train_step")
+        self.user_test_step = own_method(cls, "test_step")
         self._last_batch = None  # a custom step's last batch with rows, for the steps where this rank has none
+        self._last_test_batch = None
         self.keras_reset_metrics = cls.reset_metrics.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
         self._initialized = False
@@ -166,6 +171,14 @@ class JaxSteps:
         n_grads = sum(int(np.prod(v.shape)) for v in trainable_refs)
         n_states = sum(int(np.prod(v.shape)) for v in metric_refs)
         self._n_grads, self._n_states = n_grads, n_states
+        half = self.half
+
+        def pack(grads, metrics, tail):
+            """One float32 vector; with compression, the gradients in 16 bits and the float32 rest apart."""
+            rest = [*_flat(metrics), tail]
+            if half is None:
+                return jnp.concatenate([grads, *rest])
+            return grads.astype(half), jnp.concatenate(rest)
 
         def local(trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, tail):
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
@@ -173,11 +186,11 @@ class JaxSteps:
                                       optimizer_variables=optimizer)
             unscaled, y_pred, non_trainable, metrics = aux
             _, metrics = _compat.update_metrics_variables(model, metrics, unscaled, x, y, y_pred, sample_weight)
-            vector = jnp.concatenate([*(g * weight for g in _flat(grads)), *_flat(metrics), tail])
-            return vector, non_trainable, metrics
+            weighted = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
+            return pack(weighted, metrics, tail), non_trainable, metrics
 
         def idle(metrics, tail):
-            return jnp.concatenate([jnp.zeros(n_grads, jnp.float32), *_flat(metrics), tail])
+            return pack(jnp.zeros(n_grads, jnp.float32), metrics, tail)
 
         def apply(trainable, optimizer, summed):
             grads = _split(summed, trainable_refs)
@@ -221,7 +234,11 @@ class JaxSteps:
             vector = self._timed_first("idle", 0, lambda: self._idle(metrics, tail))
         jax.block_until_ready(vector)  # JAX runs asynchronously: computing is not waiting for the others
         with self.timing.waiting():
-            summed = self.comm.reduce(vector, "summing gradients")
+            if self.half is None:
+                summed = self.comm.reduce(vector, "summing gradients")
+            else:
+                grads, rest = (self.comm.reduce(part, "summing gradients") for part in vector)
+                summed = np.concatenate([grads.astype(np.float32), rest])
         trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
         self._record(summed[self._n_grads + self._n_states + 1 :])
         self.timing.end(plan.local)
@@ -304,10 +321,10 @@ class JaxSteps:
             original = optimizer.stateless_apply
 
             def summed_apply(optimizer_variables, grads, trainable_variables, _original=original):
-                flat = jax.block_until_ready(
-                    jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))]))
+                flat = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
+                flat = jax.block_until_ready(flat if self.half is None else flat.astype(self.half))
                 with self.timing.waiting():
-                    summed = self.comm.reduce(flat, "summing gradients")
+                    summed = self.comm.reduce(flat, "summing gradients").astype(np.float32)
                 return _original(optimizer_variables, _split(jnp.asarray(summed), list(grads)),
                                  trainable_variables)
 
@@ -319,9 +336,9 @@ class JaxSteps:
             for optimizer in patched:
                 object.__delattr__(optimizer, "stateless_apply")
 
-    def _global_logs(self, logs: dict, metrics: list, rows: int) -> dict:
+    def _global_logs(self, logs: dict, metrics: list, rows: int, timing: bool = True) -> dict:
         """The step's logs over every rank: metrics from summed states, other scalars as rows-weighted means;
-        the step timings travel in the same collective."""
+        the step timings travel in the same collective (training only)."""
         refs = list(self.model.metrics_variables)
         with keras.StatelessScope(state_mapping=list(zip(refs, metrics))):
             names = set(self.keras_metrics_result())
@@ -331,7 +348,8 @@ class JaxSteps:
                 raise ValueError(f"multigpu: the step logged {k!r} with shape {tuple(np.shape(logs[k]))}; logs must "
                                  "be metrics (in model.metrics) or scalars, so that every rank can show the global "
                                  "value.")
-        tail = np.asarray([*(float(logs[k]) * rows for k in extra), float(rows), *self.timing.vector()], np.float32)
+        timings = self.timing.vector() if timing else []
+        tail = np.asarray([*(float(logs[k]) * rows for k in extra), float(rows), *timings], np.float32)
         n_states = sum(int(np.prod(v.shape)) for v in refs)
         summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat(metrics), jnp.asarray(tail)]),
                                   "summing the step's logs")
@@ -339,8 +357,9 @@ class JaxSteps:
         total = float(summed[n_states + len(extra)])
         for i, k in enumerate(extra):
             out[k] = float(summed[n_states + i]) / total if total else 0.0
-        self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
-                                                    self.comm.world_size, complete=True))
+        if timing:
+            self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
+                                                        self.comm.world_size, complete=True))
         self._fresh = out
         return {k: out[k] for k in logs if k in out}
 
@@ -380,6 +399,8 @@ class JaxSteps:
         trainable, non_trainable, metrics = state
         rows = batch_rows(x)
         self._fresh = None
+        if self.user_test_step is not None:
+            return self._custom_test(state, data, rows)
         if rows > 0:
             non_trainable, metrics = self._timed_first(
                 "test", rows, lambda: self._test_local(trainable, non_trainable, metrics, x, y, sample_weight))
@@ -387,6 +408,23 @@ class JaxSteps:
         logs = self._test_results(summed)
         self._fresh = logs
         return logs, (trainable, non_trainable, metrics)
+
+    def _custom_test(self, state, data, rows: int):
+        """A ``test_step`` of the model's own, run eagerly; its logs summed over ranks.
+
+        A rank with no rows runs it on its last batch (so that it logs the same
+        names as the others) and keeps its states as they were.
+        """
+        if rows > 0:
+            self._last_test_batch = data
+        elif self._last_test_batch is None:
+            raise RuntimeError("multigpu: this rank has no rows in the first evaluation step, so it cannot run the "
+                               "model's own test_step alongside the others; use a batch of at least "
+                               f"{self.comm.world_size} rows. Received: {rows} rows here")
+        logs, new_state = self.user_test_step(self.model, state, data if rows > 0 else self._last_test_batch)
+        if rows == 0:
+            new_state = state
+        return self._global_logs(logs, new_state[2], rows, timing=False), new_state
 
     # ---------------------------------------------------------- prediction
     def make_predict_function(self, force: bool = False):
