@@ -239,9 +239,9 @@ def test_a_slow_device_with_a_large_fixed_cost_per_step_gets_fewer_rows_than_its
     got = {}
     for fixed_costs in (True, False):
         got[fixed_costs] = [sum(simulate(seed=seed, fixed_costs=fixed_costs, **kw)[0][-15:]) / 15 / best
-                            for seed in range(8)]
-    assert min(got[True]) >= 0.95, got
-    assert sum(got[True]) > sum(got[False]), got
+                            for seed in range(16)]
+    assert min(got[True]) >= 0.95 and sum(got[True]) / 16 >= 0.97, got
+    assert min(got[True]) > min(got[False]), got  # without the fit, some runs stay well short
 
 
 def plateau(share: float) -> float:

@@ -268,6 +268,7 @@ class ShareSearch:
         self._window: Window | None = None  # the last window observed
         self._scan_queue: list[tuple[float, ...]] | None = None  # None: the scan has not started
         self._scanned: list[tuple[float, tuple[float, ...]]] = []  # (samples/s, shares) of the scan's windows
+        self._strict = False  # the trial is the best of the scan
         self._jumps: set[tuple[int, ...]] = set()  # where this search has jumped to
         self._watched: list[float] = []  # recent windows at the settled shares
 
@@ -294,9 +295,13 @@ class ShareSearch:
         Noisy measurements (a busy machine, a device throttled in bursts) are
         averaged over longer windows: the noise of a mean falls with the
         square root of its length, so a window ``k`` times longer brings a
-        noise ``n`` down to ``n / sqrt(k)``; the target is 1.5%.
+        noise ``n`` down to ``n / sqrt(k)``; the target is 2.5%.  The scan's
+        points take one standard window each: it looks for differences of 10%
+        and more, and the best is measured again with full windows.
         """
-        return int(min(8, max(1, round((self.noise() / 0.015) ** 2))))
+        if self._trial is not None and self._trial[1] == "scan":
+            return 1
+        return int(min(8, max(1, round((self.noise() / 0.025) ** 2))))
 
     def _margin(self) -> float:
         return max(self.noise_floor, 0.5 * self.noise())
@@ -370,8 +375,8 @@ class ShareSearch:
         self._base_runs = [*self._base_runs[-2:], throughput]
         if self.settled:
             return self._watch(throughput)
-        if len(self._base_runs) < 2 and not self._noise:
-            return []  # two windows first: one to warm up, one to compare
+        if len(self._base_runs) < 2 and (not self._noise or self._scanned):
+            return []  # two windows first (at the start, and after the scan)
         return self._propose()
 
     def _shifted(self, throughput: float) -> bool:
@@ -423,6 +428,7 @@ class ShareSearch:
             rate, best = max(self._scanned)
             self._scanned = []
             if rate > self._base_throughput() * (1 + self._margin()):
+                self._strict = True  # the best of several noisy windows: kept on a stricter test
                 return self._start(best, "jump", None, f"the best of the scan ({rate:.0f} samples/s)")
         # At most two jumps per search (from the speeds, then from the fitted costs), never twice to one place.
         target = tuple(self.shares(proposal)) if proposal is not None else None
@@ -469,14 +475,20 @@ class ShareSearch:
             self._trial = None
             self._scanned.append((throughput, trial))
             self.ratios = self.base
-            return [Event("scanned", trial, self.base, before, throughput, f"{throughput / before - 1:+.1%}"),
-                    *self._propose()]
+            event = Event("scanned", trial, self.base, before, throughput, f"{throughput / before - 1:+.1%}")
+            if self._scan_queue:
+                return [event, *self._propose()]
+            # The start's figure is from before the scan, when the run was colder: measure it again first,
+            # over two windows (their difference is also a measure of the noise, which the decision needs).
+            self._base_runs = []
+            return [event]
         self._trial_runs.append(throughput)
         measured = statistics.fmean(self._trial_runs)
-        margin = self._margin() / math.sqrt(len(self._trial_runs))
+        margin = self._margin() * (2 if self._strict else 1) / math.sqrt(len(self._trial_runs))
         if measured > before * (1 + margin) and len(self._trial_runs) < 2:
             return []  # looks better: one more window to confirm before keeping it
         self._trial = None
+        self._strict = False
         runs, self._trial_runs = self._trial_runs, []
         throughput = measured
         if measured > before * (1 + margin):
