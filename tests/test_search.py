@@ -271,7 +271,8 @@ def test_the_opening_scan_finds_a_better_hill_beyond_a_plateau():
         events, true = drive_landscape(ShareSearch([0.69, 0.31], 256), plateau, 40, 0.03, seed)
         kinds = [e.kind for e in events if e.kind != "rebase"]  # a noisy second window may renew the figure
         assert kinds[:2] == ["scan", "scanned"], kinds
-        assert "jump" in kinds and any(e.kind == "keep" and "best of the scan" not in e.reason for e in events)
+        jump = next(i for i, e in enumerate(events) if e.kind == "jump" and "best of the scan" in e.reason)
+        assert events[jump + 1].kind == "keep" and events[jump + 1].after[0] >= 0.875  # confirmed, then kept
         assert sum(true[-10:]) / 10 >= 9200, (seed, kinds)
         _, without = drive_landscape(ShareSearch([0.69, 0.31], 256, scan=()), plateau, 40, 0.03, seed)
         assert sum(without[-10:]) / 10 < 8000  # what the scan is for

@@ -189,7 +189,7 @@ class LoadBalancer:
         if self.search is None or self.search.batch_size != self.batch_size:
             self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
                                       min_step=self.options.min_step,
-                                      **({} if self.options.scan else {"scan": ()}))
+                                      scan=ShareSearch.scan if self.options.scan else ())
             self._window = _Window()
 
     # ------------------------------------------------------------- records

@@ -405,8 +405,6 @@ class ShareSearch:
         """The speeds' shares (if at least half the smallest scan move away), then the moves both ways."""
         far = proposal is not None and max(abs(a - b) for a, b in zip(proposal, self.base)) >= self.scan[0] / 2
         points = [tuple(proposal)] if far else []
-        if far:
-            self._jumps.add(tuple(self.shares(proposal)))  # measured by the scan: no jump there later
         if pair is not None:
             points += [self._moved(p, d) for d in self.scan for p in (pair, (pair[1], pair[0]))]
         seen = {tuple(self.shares(self.base))}
@@ -422,6 +420,8 @@ class ShareSearch:
         pair, proposal, imbalance = self._model()
         if self._scan_queue is None and self.scan:
             self._scan_queue = self._scan_points(pair, proposal)
+            if proposal is not None and tuple(proposal) in self._scan_queue:
+                self._jumps.add(tuple(self.shares(proposal)))  # measured by the scan: no jump there later
         if self._scan_queue:
             return self._start(self._scan_queue.pop(0), "scan", None, "")
         if self._scanned:

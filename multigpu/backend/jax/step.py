@@ -324,7 +324,7 @@ class JaxSteps:
                 flat = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
                 flat = jax.block_until_ready(flat if self.half is None else flat.astype(self.half))
                 with self.timing.waiting():
-                    summed = self.comm.reduce(flat, "summing gradients").astype(np.float32)
+                    summed = self.comm.reduce(flat, "summing gradients").astype(np.float32, copy=False)
                 return _original(optimizer_variables, _split(jnp.asarray(summed), list(grads)),
                                  trainable_variables)
 
