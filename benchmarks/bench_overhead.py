@@ -85,7 +85,7 @@ def breakdown_table(results: list[dict]) -> str:
     lines = ["| model, batch | run | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
     for r in results:
         for name in ("single", "mg1", "mg2"):
-            b = r["runs"][name]["breakdown"]
+            b = r["runs"].get(name, {}).get("breakdown")
             if b:
                 lines.append(f"| {r['model']} {r['batch']} | {name} | " + " | ".join(f"{b[c]:.2f}" for c in columns)
                              + " |")

@@ -252,9 +252,16 @@ class LoadBalancer:
                       f"{e.throughput_before:.0f} before)")
 
     def _check_gain(self, window: Window) -> None:
-        """Says once when the devices together are slower than the fastest one alone."""
+        """Says once when the devices together are slower than the fastest one alone.
+
+        Judged on windows at the shares the search settled on: a window at
+        shares the search only tries (a scan point far from the best, a move
+        it undoes) says nothing about what the devices can do together.
+        """
         self._windows += 1
-        if self._said_no_gain or not self.solo_speeds or self._windows < 3:
+        search = self.search
+        settled = search is not None and search.settled and search.shares(window.ratios) == search.shares()
+        if self._said_no_gain or not self.solo_speeds or self._windows < 3 or not settled:
             return
         best = max(self.solo_speeds)
         if window.throughput >= 0.9 * best:  # clearly slower, not a noisy window
