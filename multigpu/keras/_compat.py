@@ -23,6 +23,7 @@ __all__ = [
     "compute_loss",
     "flatten_layers",
     "loss_tracker",
+    "named_results",
     "optimizer_variables",
     "seed_variables",
     "silence_backup_saving",
@@ -96,6 +97,44 @@ def loss_tracker(model):
 def compile_metrics(model):
     """The metrics given to ``compile`` (``Trainer._compile_metrics``), or None."""
     return getattr(model, "_compile_metrics", None)
+
+
+def named_results(metric) -> list[tuple[str, object]] | None:
+    """The (name, inner metric) pairs of ``metric.result()``'s dict, for Keras's ``CompileMetrics``.
+
+    The names follow ``CompileMetrics.result`` (the output's name first,
+    ``_1``, ``weighted_`` for a clash).  ``None`` for any other metric, or a
+    ``CompileMetrics`` of unknown shape: the caller then calls ``result()``.
+    A caller must check the names once against ``result()`` itself.
+    """
+    if type(metric).__name__ != "CompileMetrics" or not getattr(metric, "built", False):
+        return None
+    flat, weighted = getattr(metric, "_flat_metrics", None), getattr(metric, "_flat_weighted_metrics", None)
+    if flat is None or weighted is None:
+        return None
+    out: list[tuple[str, object]] = []
+    counters: dict[str, int] = {}
+    for lists, is_weighted in ((flat, False), (weighted, True)):
+        for mls in lists:
+            if not mls:
+                continue
+            prefix = f"{mls.output_name}_" if mls.output_name else ""
+            for m in mls.metrics:
+                name = prefix + m.name
+                if name not in counters:
+                    counters[name] = 1
+                elif not is_weighted:
+                    counters[name] += 1
+                    name = f"{name}_{counters[name] - 1}"
+                else:
+                    name = f"{prefix}weighted_{m.name}"
+                    if name not in counters:
+                        counters[name] = 1
+                    else:
+                        counters[name] += 1
+                        name = f"{name}_{counters[name] - 1}"
+                out.append((name, m))
+    return out
 
 
 def call_has_training_arg(model) -> bool:

@@ -12,9 +12,13 @@ step keeps accumulating.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
+import numpy as np
 import torch
+
+from multigpu.keras import _compat
 
 __all__ = ["ALL_METRICS", "GlobalMetrics"]
 
@@ -56,13 +60,55 @@ class GlobalMetrics:
 
     def vector(self) -> torch.Tensor:
         """This rank's metric states, flat, float32."""
+        states = self._scalar_states()
+        if states is not None:
+            return torch.tensor(states, dtype=torch.float32)
+        return torch.cat([v.value.detach().reshape(-1).to(torch.float32).cpu() for v in self.variables()])
+
+    def _scalar_states(self) -> list[float] | None:
+        """The states as floats when every state is a scalar (the usual case: cheaper than tensors)."""
         variables = self.variables()
-        if not variables:
-            return torch.zeros(0)
-        return torch.cat([v.value.detach().reshape(-1).to(torch.float32).cpu() for v in variables])
+        if all(v.value.numel() == 1 for v in variables):
+            return [v.value.item() for v in variables]
+        return None
 
     def results(self, summed: torch.Tensor | list[float]) -> dict:
         """``get_metrics_result()`` with every state replaced by its sum over ranks."""
+        plan = self._means_plan()
+        if plan is not None:
+            return _mean_results(plan, summed)
+        return self._results(summed)
+
+    def _means_plan(self) -> list[tuple[str, int, int]] | None:
+        """Where each result's total and count sit in the states, when every metric is a plain mean.
+
+        Keras's ``Mean`` (the loss tracker, and every ``MeanMetricWrapper``
+        such as accuracy) returns ``total / count`` (0 where the count is 0).
+        Computed from the summed states directly, without writing them into
+        the variables and calling ``result()``, it costs microseconds instead
+        of about 0.3 ms a step.  The plan is checked once against
+        ``result()`` itself (names and values); on any difference, or any
+        other metric, every result comes from ``result()``.
+        """
+        key = tuple(id(m) for m in self.model.metrics)
+        if getattr(self, "_plan_key", None) == key:
+            return self._plan
+        self._plan_key, self._plan = key, None
+        index = _offsets(self.variables())
+        plan = []
+        for metric in self.model.metrics:
+            parts = [(metric.name, metric)] if _plain_mean(metric) else _compat.named_results(metric)
+            if parts is None or not all(_plain_mean(m) for _, m in parts):
+                return None
+            plan += [(name, index[id(m.total)], index[id(m.count)]) for name, m in parts]
+        states = self.vector().tolist()
+        reference = self._results(states)
+        fast = _mean_results(plan, states)
+        if list(reference) == list(fast) and all(_same(reference[k], fast[k]) for k in fast):
+            self._plan = plan
+        return self._plan
+
+    def _results(self, summed: torch.Tensor | list[float]) -> dict:
         variables = self.variables()
         summed = torch.as_tensor(summed, dtype=torch.float32)
         saved = [v.value.detach().clone() for v in variables]
@@ -143,8 +189,11 @@ class GlobalMetrics:
         for k in extra_keys:
             value = 0.0 if logs is None else logs[k]
             values.append((float(value) if not isinstance(value, torch.Tensor) else float(value.detach())) * rows)
-        tail = torch.tensor([*values, float(rows), *timing], dtype=torch.float32)
-        return torch.cat([self.vector(), tail])
+        tail = [*values, float(rows), *timing]
+        states = self._scalar_states()
+        if states is not None:
+            return torch.tensor(states + tail, dtype=torch.float32)
+        return torch.cat([self.vector(), torch.tensor(tail, dtype=torch.float32)])
 
     def unpack(self, summed: list[float], n_timing: int, phase: str) -> tuple[dict, list[float]]:
         """Global logs and the summed timing slots from the summed vector."""
@@ -184,3 +233,34 @@ class GlobalMetrics:
         summed = self.comm.reduce(buf, tag=state.numel() % 2039 + 1, what="summing metrics")
         self._fresh = self.results(summed[: state.numel()].clone())
         return self._fresh
+
+
+def _plain_mean(metric) -> bool:
+    """A Keras ``Mean`` whose result is Keras's own ``total / count`` in float32."""
+    import keras
+
+    return (isinstance(metric, keras.metrics.Mean) and type(metric).result is keras.metrics.Mean.result
+            and metric.dtype == "float32" and len(metric.variables) == 2)
+
+
+def _offsets(variables: list) -> dict:
+    """Each variable (by id) -> its first position in the flat state vector."""
+    out, offset = {}, 0
+    for v in variables:
+        out[id(v)] = offset
+        offset += v.value.numel()
+    return out
+
+
+def _mean_results(plan: list[tuple[str, int, int]], summed) -> dict:
+    values = summed.tolist() if isinstance(summed, torch.Tensor) else summed
+    out = {}
+    for name, t, c in plan:
+        total, count = np.float32(values[t]), np.float32(values[c])
+        out[name] = torch.tensor(total / count if count != 0 else np.float32(0.0))
+    return out
+
+
+def _same(a, b) -> bool:
+    a, b = float(a), float(b)
+    return a == b or (math.isnan(a) and math.isnan(b))

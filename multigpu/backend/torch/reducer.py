@@ -162,8 +162,8 @@ class GradientSync:
         half = COMPRESSION[self.compression]
         n_grad, v = layout.numel, layout.variables
         # float32 part: [grads (unless compressed) | used flags | extras | header]
-        tail = v + n_extra + _HEADER
-        flat = self.comm.buffer(tail + (0 if half is not None else n_grad), torch.float32)
+        n_tail = v + n_extra + _HEADER
+        flat = self.comm.buffer(n_tail + (0 if half is not None else n_grad), torch.float32)
         grads_part = flat[:n_grad] if half is None else self.comm.buffer(n_grad, half)
         weight = self.weight
         for g, o, shape in zip(grads, layout.offsets, layout.shapes):
@@ -176,12 +176,14 @@ class GradientSync:
             else:
                 target.copy_(g.reshape(-1) * weight)
         base = 0 if half is not None else n_grad
-        used = flat[base : base + v]
-        for i, g in enumerate(grads):
-            used[i] = 0.0 if g is None else 1.0
-        if extras is not None:
-            flat[base + v : base + v + n_extra].copy_(extras.reshape(-1))
-        flat[-3], flat[-2], flat[-1] = float(tag), float(tag * tag), 1.0
+        # The float32 tail in one copy: flags, extras and header (element writes cost microseconds each).
+        head = [0.0 if g is None else 1.0 for g in grads]
+        header = [float(tag), float(tag * tag), 1.0]
+        if extras is None:
+            flat[base:].copy_(torch.tensor(head + header, dtype=torch.float32))
+        else:
+            flat[base:].copy_(torch.cat([torch.tensor(head, dtype=torch.float32), extras.reshape(-1).float(),
+                                         torch.tensor(header, dtype=torch.float32)]))
         describe = lambda: layout.describe(n_extra, call)  # noqa: E731
         with self.waiting():
             if half is not None:
@@ -190,10 +192,11 @@ class GradientSync:
             else:
                 summed = self.comm.reduce(flat, tag=tag, what="summing gradients", describe=describe)
                 summed_grads = summed
-        self._check_header(summed, tag, describe)
-        flags = summed[base : base + v].tolist()
+        tail = summed[base:].tolist()
+        self._check_header(tail[-3:], tag, describe)
+        flags = tail[:v]
         if extras is not None:
-            self.extras_out = summed[base + v : base + v + n_extra].tolist()
+            self.extras_out = tail[v : v + n_extra]
         out = []
         for i, (o, shape, dtype) in enumerate(zip(layout.offsets, layout.shapes, layout.dtypes)):
             if flags[i] < 0.5:
@@ -203,9 +206,8 @@ class GradientSync:
             out.append(g if g.dtype == dtype else g.to(dtype))
         return out
 
-    def _check_header(self, summed: torch.Tensor, tag: int, describe) -> None:
+    def _check_header(self, got: list[float], tag: int, describe) -> None:
         world = float(self.comm.world_size)
-        got = summed[-3:].tolist()
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.backend.torch.collectives import CollectiveMismatchError
             from multigpu.runtime import fail
