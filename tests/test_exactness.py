@@ -71,3 +71,20 @@ def test_parallel_run_matches_single_device(runner, reference, ratios, transport
             assert max_relative_error(got[name][0], other[name][0]) == 0.0
             assert other[name][1] == got[name][1]
     assert runner.leftovers() == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_compression_sends_16_bits_over_either_transport_and_stays_close(runner, reference, transport):
+    """bf16 at shares 3:1: the sum really is rounded, the run stays near the exact one, ranks stay equal."""
+    out = runner.tmp_path / "bf16.npz"
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "exactness.py"), str(out),
+                     "--rows", ROWS, "--optimizers", "sgd", "--compression", "bf16",
+                     extra_env={"MULTIGPU_TRANSPORT": transport})
+    assert res.returncode == 0, res.stdout
+    weights, history = load(out, ("sgd",))["sgd"]
+    error = max_relative_error(reference["sgd"][0], weights)
+    assert 1e-6 < error <= 2e-2, error
+    assert all(np.isfinite(history["loss"]))
+    other = load(f"{out}.rank1.npz", ("sgd",))["sgd"]
+    assert max_relative_error(weights, other[0]) == 0.0
+    assert runner.leftovers() == []

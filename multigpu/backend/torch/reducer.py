@@ -161,39 +161,36 @@ class GradientSync:
         tag = (layout.tag * 31 + call * 7 + n_extra) % _TAG_MOD
         half = COMPRESSION[self.compression]
         n_grad, v = layout.numel, layout.variables
-        # float32 part: [grads (unless compressed) | used flags | extras | header]
-        n_tail = v + n_extra + _HEADER
-        flat = self.comm.buffer(n_tail + (0 if half is not None else n_grad), torch.float32)
-        grads_part = flat[:n_grad] if half is None else self.comm.buffer(n_grad, half)
-        weight = self.weight
-        for g, o, shape in zip(grads, layout.offsets, layout.shapes):
-            size = shape.numel()
-            target = grads_part[o : o + size]
-            if g is None:
-                target.zero_()
-            elif g.dtype == target.dtype and g.device == target.device:
-                torch.mul(g.reshape(-1), weight, out=target)
-            else:
-                target.copy_(g.reshape(-1) * weight)
-        base = 0 if half is not None else n_grad
-        # The float32 tail in one copy: flags, extras and header (element writes cost microseconds each).
+        # float32 message: [grads (unless compressed) | used flags | extras | header]
         head = [0.0 if g is None else 1.0 for g in grads]
         header = [float(tag), float(tag * tag), 1.0]
-        if extras is None:
-            flat[base:].copy_(torch.tensor(head + header, dtype=torch.float32))
+        if extras is None:  # the tail in one copy (element writes cost microseconds each)
+            tail_values = torch.tensor(head + header, dtype=torch.float32)
         else:
-            flat[base:].copy_(torch.cat([torch.tensor(head, dtype=torch.float32), extras.reshape(-1).float(),
-                                         torch.tensor(header, dtype=torch.float32)]))
+            tail_values = torch.cat([torch.tensor(head, dtype=torch.float32), extras.reshape(-1).float(),
+                                     torch.tensor(header, dtype=torch.float32)])
         describe = lambda: layout.describe(n_extra, call)  # noqa: E731
-        with self.waiting():
-            if half is not None:
-                summed_grads = self.comm.reduce(grads_part, tag=tag, what="summing gradients", describe=describe)
-                summed = self.comm.reduce(flat, tag=tag + 1, what="summing gradients", describe=describe)
-            else:
+        if half is None:
+            flat = self.comm.buffer(n_grad + tail_values.numel(), torch.float32)
+            self._fill(flat[:n_grad], grads, layout)
+            flat[n_grad:].copy_(tail_values)
+            with self.waiting():
                 summed = self.comm.reduce(flat, tag=tag, what="summing gradients", describe=describe)
-                summed_grads = summed
-        tail = summed[base:].tolist()
-        self._check_header(tail[-3:], tag, describe)
+            summed_grads = summed
+            tail = summed[n_grad:].tolist()
+            self._check_header(tail[-3:], tag, describe)
+        else:
+            # One buffer of the collectives at a time (a shared-memory buffer is this rank's slot, whatever
+            # its dtype): the float32 tail is summed first, then the 16-bit gradients.
+            flat = self.comm.buffer(tail_values.numel(), torch.float32)
+            flat.copy_(tail_values)
+            with self.waiting():
+                tail = self.comm.reduce(flat, tag=tag + 1, what="summing gradients", describe=describe).tolist()
+            self._check_header(tail[-3:], tag, describe)
+            grads_part = self.comm.buffer(n_grad, half)
+            self._fill(grads_part, grads, layout)
+            with self.waiting():
+                summed_grads = self.comm.reduce(grads_part, tag=tag, what="summing gradients", describe=describe)
         flags = tail[:v]
         if extras is not None:
             self.extras_out = tail[v : v + n_extra]
@@ -205,6 +202,18 @@ class GradientSync:
             g = summed_grads[o : o + shape.numel()].view(shape)
             out.append(g if g.dtype == dtype else g.to(dtype))
         return out
+
+    def _fill(self, target: torch.Tensor, grads: list, layout: _Layout) -> None:
+        """Writes every gradient times this rank's weight into ``target`` (zeros for a missing one)."""
+        weight = self.weight
+        for g, o, shape in zip(grads, layout.offsets, layout.shapes):
+            part = target[o : o + shape.numel()]
+            if g is None:
+                part.zero_()
+            elif g.dtype == part.dtype and g.device == part.device:
+                torch.mul(g.reshape(-1), weight, out=part)
+            else:
+                part.copy_(g.reshape(-1) * weight)
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
         world = float(self.comm.world_size)
