@@ -93,6 +93,8 @@ class GlobalMetrics:
         key = tuple(id(m) for m in self.model.metrics)
         if getattr(self, "_plan_key", None) == key:
             return self._plan
+        if not all(getattr(m, "built", True) for m in self.model.metrics):
+            return None  # Keras builds its compiled metrics at the first step: decide then
         self._plan_key, self._plan = key, None
         index = _offsets(self.variables())
         plan = []
