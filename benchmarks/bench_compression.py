@@ -1,6 +1,6 @@
 """Gradient compression: its speed on a communication-heavy model, and its weight error against the exact run.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compression.py     # ~10 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compression.py     # ~8 min
 
 1. **Speed**: ``dense41m`` (41 million weights) at a global batch of 256 on ``cpu:0`` and
    ``cpu:1``, equal shares, in fresh processes one after another, ``--rounds`` rounds (median):

@@ -42,6 +42,8 @@ class GlobalMetrics:
         self._variables: list = []
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
         self._layouts: dict[str, tuple[list[str], list[str]]] = {}  # phase -> (extra keys, all keys)
+        self._plan_key: tuple | None = None  # the metrics the plan below was decided for
+        self._plan: list[tuple[str, int, int]] | None = None  # plain means read from the states (or None)
 
     # ------------------------------------------------------------ states
     def variables(self) -> list:
@@ -66,9 +68,12 @@ class GlobalMetrics:
         return torch.cat([v.value.detach().reshape(-1).to(torch.float32).cpu() for v in self.variables()])
 
     def _scalar_states(self) -> list[float] | None:
-        """The states as floats when every state is a scalar (the usual case: cheaper than tensors)."""
+        """The states as floats when every state is a scalar on the CPU (the usual case: cheaper than tensors).
+
+        On a GPU each ``item()`` would wait for the device: one copy of all the states is cheaper there.
+        """
         variables = self.variables()
-        if all(v.value.numel() == 1 for v in variables):
+        if all(v.value.numel() == 1 and v.value.device.type == "cpu" for v in variables):
             return [v.value.item() for v in variables]
         return None
 
@@ -91,7 +96,7 @@ class GlobalMetrics:
         other metric, every result comes from ``result()``.
         """
         key = tuple(id(m) for m in self.model.metrics)
-        if getattr(self, "_plan_key", None) == key:
+        if self._plan_key == key:
             return self._plan
         if not all(getattr(m, "built", True) for m in self.model.metrics):
             return None  # Keras builds its compiled metrics at the first step: decide then
