@@ -11,6 +11,8 @@ machine can be off by 10-30%):
 * ``single``: plain Keras ``model.fit`` on one core (no multigpu);
 * ``mg1``: the same through ``multigpu.parallelize(model, devices=["cpu:0"])``;
 * ``mg2``: multigpu on both devices, equal shares (exact mode, shared-memory transport);
+* ``mg2-keras`` (only when asked for): ``mg2`` with Keras's own forward pass (``MULTIGPU_REPLAY=0``), to
+  measure what replaying it (``multigpu.backend.torch.replay``) buys;
 * ``ddp``: a hand-written PyTorch DDP loop driving the same Keras model, equal shares;
 * ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP (what Keras's next release does).
 
@@ -42,9 +44,13 @@ CONFIGS = {
     "single": {"mode": "single", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
     "mg1": {"mode": "solo", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
     "mg2": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True},
+    "mg2-keras": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True,
+                  "env": {"MULTIGPU_REPLAY": "0"}},
     "ddp": {"mode": "ddp", "devices": ["cpu:0", "cpu:1"]},
     "keras-ddp": {"mode": "keras-ddp", "devices": ["cpu:0", "cpu:1"]},
 }
+
+DEFAULT_CONFIGS = ["single", "mg1", "mg2", "ddp", "keras-ddp"]
 
 
 def run_case(case: str, steps_scale: float, configs: list[str], rounds: int) -> dict:
@@ -92,10 +98,20 @@ def breakdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def replay_table(results: list[dict]) -> str:
+    lines = ["| model | batch | mg2 / mg2-keras (replayed forward pass / Keras's own) | samples/s mg2, mg2-keras |",
+             "|---|---:|---:|---|"]
+    for r in results:
+        s = {k: v["samples_per_second"] for k, v in r["runs"].items()}
+        lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | {s['mg2'] / s['mg2-keras']:.2f}x | "
+                     f"{s['mg2']:.0f}, {s['mg2-keras']:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="+", default=CASES, help="model:width:batch[:steps]")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead.json"))
@@ -104,8 +120,10 @@ def main() -> int:
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
     results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds) for c in a.cases]
-    if set(CONFIGS) <= set(configs):
+    if set(DEFAULT_CONFIGS) <= set(configs):
         print("\n" + ratio_table(results))
+    if {"mg2", "mg2-keras"} <= set(configs):
+        print("\n" + replay_table(results))
     print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))
     print(f"\n{(time.monotonic() - start) / 60:.1f} min on {platform.node()}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,25 @@ def test_compression_sends_16_bits_and_keeps_the_weighting_exact(compression, to
     assert float((got - exact).abs().max() / exact.abs().max()) < tolerance
 
 
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_gradients_are_the_same_numbers_as_one_mixed_dtype_multiply(compression):
+    """Cast a chunk at a time through float32 (fast on a CPU), read back into one kept buffer."""
+    from multigpu.backend.torch import reducer
+
+    half = reducer.COMPRESSION[compression]
+    grads = [torch.randn(2 * reducer._CAST_CHUNK + 123, generator=torch.Generator().manual_seed(5)), torch.randn(7)]
+
+    def body(rank, sync):
+        sync.compression = compression
+        sync.begin_step(0.3)
+        return sync.reduce([g.clone() for g in grads], [variable(torch.zeros(g.shape)) for g in grads])
+
+    got = run_ranks(1, body)[0]
+    for g, out in zip(grads, got):
+        want = torch.mul(g, 0.3, out=torch.empty(g.shape, dtype=half)).float()
+        assert out.dtype == torch.float32 and torch.equal(out, want)
+
+
 def test_unknown_compression_is_refused():
     with pytest.raises(ValueError, match=r"`compression` must be one of .*Received: compression='zip'"):
         GradientSync(None, waiting=_Null, compression="zip")

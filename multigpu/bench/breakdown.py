@@ -94,4 +94,8 @@ def install(model) -> Breakdown:
     except ImportError:  # pragma: no cover - torch is always there on this backend
         return b
     Comm.reduce = b.timed("sum gradients", Comm.reduce)
+    from multigpu.backend.torch.replay import ForwardReplay
+
+    # A replayed forward pass runs the loss's operations too: "forward" then holds both.
+    ForwardReplay._replay = b.timed("forward", ForwardReplay._replay)
     return b

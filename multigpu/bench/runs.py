@@ -51,7 +51,7 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
 
     Args:
         config: ``mode``, ``model``, ``width``, ``devices`` (specs), ``batch``,
-            ``ratios``, ``steps``, ``warmup``, ``print_every``.
+            ``ratios``, ``steps``, ``warmup``, ``print_every``, ``env`` (extra environment variables).
         timeout: seconds before the run is stopped and reported as failed.
         stream: let rank 0 print its progress lines.
         keep_log: (with ``stream=False``) return multigpu's own log lines
@@ -73,7 +73,7 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
                    str(Path(tmp) / "config.json")]
         env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
+                   PYTHONWARNINGS="ignore", **config.get("env", {}))
         log_path = Path(tmp) / "output.txt"
         log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
         stdout = None if stream else (log_file or subprocess.DEVNULL)
@@ -94,8 +94,8 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         else:
             ratios = config.get("ratios")
             text = None if ratios is None else (ratios if isinstance(ratios, str) else ",".join(map(str, ratios)))
-            group = Supervisor(command, devices, 120.0, ratios=text, env_extra={"PYTHONWARNINGS": "ignore"},
-                               stdout=stdout)
+            group = Supervisor(command, devices, 120.0, ratios=text,
+                               env_extra={"PYTHONWARNINGS": "ignore", **config.get("env", {})}, stdout=stdout)
             group.start()
             deadline = time.monotonic() + timeout
             try:

@@ -211,3 +211,8 @@ def class_weight_to_sample_weights(y, class_weight: dict):
     for i, label in enumerate(labels):
         weights[i] = class_weight.get(int(label), 1.0)
     return weights
+
+
+def compiled_loss(model):
+    """The loss object ``compile`` built (``Trainer._compile_loss``), or None."""
+    return getattr(model, "_compile_loss", None)

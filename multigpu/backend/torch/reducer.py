@@ -33,6 +33,7 @@ import torch
 __all__ = ["COMPRESSION", "GradientSync"]
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CAST_CHUNK = 1 << 18  # float32 values cast to 16 bits at a time (1 MiB: stays in cache)
 _HEADER = 3
 _TAG_MOD = 251  # tag and tag**2 (< 2**16) summed over up to 256 ranks stay exact in float32
 
@@ -78,6 +79,8 @@ class GradientSync:
         self.extras_out: list[float] | None = None
         self.log: list[tuple] = []  # this step's optimizer calls: (apply, variables), for an empty rank to replay
         self._layouts: dict[tuple, _Layout] = {}
+        self._scratch: torch.Tensor | None = None  # float32, for casting gradients to 16 bits a chunk at a time
+        self._unpacked: torch.Tensor | None = None  # float32, the summed 16-bit gradients read back
 
     # ------------------------------------------------------------ wiring
     def wrap(self, optimizer) -> None:
@@ -194,13 +197,25 @@ class GradientSync:
         flags = tail[:v]
         if extras is not None:
             self.extras_out = tail[v : v + n_extra]
+        unpacked = None
+        if half is not None and all(d == torch.float32 for d in layout.dtypes):
+            # Read back into one kept float32 buffer: a new tensor per gradient costs its pages' first touch
+            # (121 ms against 18 ms for 41M values on one core).
+            if self._unpacked is None or self._unpacked.numel() < n_grad or self._unpacked.device != flat.device:
+                self._unpacked = torch.empty(n_grad, dtype=torch.float32, device=flat.device)
+            unpacked = self._unpacked
         out = []
         for i, (o, shape, dtype) in enumerate(zip(layout.offsets, layout.shapes, layout.dtypes)):
             if flags[i] < 0.5:
                 out.append(None)
                 continue
-            g = summed_grads[o : o + shape.numel()].view(shape)
-            out.append(g if g.dtype == dtype else g.to(dtype))
+            g = summed_grads[o : o + shape.numel()]
+            if g.dtype == dtype:
+                out.append(g.view(shape))
+            elif unpacked is not None:
+                out.append(unpacked[o : o + shape.numel()].copy_(g).view(shape))
+            else:
+                out.append(g.view(shape).to(dtype))
         return out
 
     def _fill(self, target: torch.Tensor, grads: list, layout: _Layout) -> None:
@@ -212,8 +227,24 @@ class GradientSync:
                 part.zero_()
             elif g.dtype == part.dtype and g.device == part.device:
                 torch.mul(g.reshape(-1), weight, out=part)
+            elif g.dtype == torch.float32 and g.device.type == "cpu" == part.device.type:
+                self._cast_weighted(g.reshape(-1), weight, part)
             else:
                 part.copy_(g.reshape(-1) * weight)
+
+    def _cast_weighted(self, g: torch.Tensor, weight: float, part: torch.Tensor) -> None:
+        """``part = g * weight`` in 16 bits, through a small float32 buffer.
+
+        The same numbers as one mixed-dtype multiply, which on a CPU runs
+        8x slower (156 ms against 14 + 18 for 41M values on one core).
+        """
+        if self._scratch is None:
+            self._scratch = torch.empty(_CAST_CHUNK, dtype=torch.float32)
+        scratch = self._scratch
+        for start in range(0, g.numel(), _CAST_CHUNK):
+            end = min(g.numel(), start + _CAST_CHUNK)
+            torch.mul(g[start:end], weight, out=scratch[: end - start])
+            part[start:end].copy_(scratch[: end - start])
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
         world = float(self.comm.world_size)

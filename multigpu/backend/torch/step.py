@@ -5,7 +5,9 @@ One global batch, followed from the data to the weights:
 1. the data path cut this rank's rows and queued the batch's plan
    (:mod:`multigpu.keras.data`); the step takes the plan back;
 2. the step sets the gradient weight ``b_r / B`` from the plan;
-3. forward, loss, metrics, backward, as Keras's own step;
+3. forward, loss, metrics, backward, as Keras's own step (the forward pass
+   and loss replayed as recorded torch operations where that gives the same
+   result: :mod:`multigpu.backend.torch.replay`);
 4. ``optimizer.apply`` sums the weighted gradients over ranks in one
    collective, which also carries the metric states and the step timings
    (:mod:`multigpu.backend.torch.reducer`), then runs Keras's update block
@@ -29,6 +31,7 @@ from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
+from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.balancing.timing import StepRecord
 from multigpu.keras import _compat
 from multigpu.keras.model_parts import batch_rows, optimizers_of, own_method
@@ -52,6 +55,8 @@ class TorchSteps:
         self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression)
         self.metrics = GlobalMetrics(model, self.comm)
         self.sync_batchnorm = parallel.options.sync_batchnorm
+        # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
+        self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm)
         cls = type(model)
         self.user_train_step = own_method(cls, "train_step")
         self.user_test_step = own_method(cls, "test_step")
@@ -64,6 +69,7 @@ class TorchSteps:
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self._initialized = False
         self._replay: list[tuple] = []
+        self._recorded = False
         if self.sync_batchnorm:
             install_global_moments(model)
 
@@ -112,6 +118,9 @@ class TorchSteps:
         finally:
             self.sync.end_step()
         self.timing.end(plan.local)
+        if self._recorded:
+            self._recorded = False
+            self.timing.discard()  # the step also recorded its forward pass: not a measurement of the shares
         return logs
 
     def _builtin_train(self, x, y, sample_weight, plan):
@@ -121,9 +130,8 @@ class TorchSteps:
         model.zero_grad()
         trainable = model.trainable_weights[:]
         if local > 0 or self.sync_batchnorm:
-            y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
             if local > 0:
-                loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+                y_pred, loss, self._recorded = self.forward(x, y, sample_weight)
                 tracker = _compat.loss_tracker(model)
                 if tracker is not None:
                     tracker.update_state(loss, sample_weight=local)
@@ -135,6 +143,7 @@ class TorchSteps:
                     with self.metrics.local_results():
                         logs_local = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             else:  # no rows here, but the global statistics' collectives must run
+                y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
                 loss = sum(leaf.sum() for leaf in keras.tree.flatten(y_pred)) * 0.0
             if self.sync_batchnorm:
                 loss = loss * plan.weight
@@ -175,7 +184,7 @@ class TorchSteps:
         n_timing = self.timing.size if n_timing is None else n_timing
         logs, timing = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
-            self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size))
+            self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size, complete=True))
         return logs
 
     def _calibrate(self, x, y, sample_weight, plan) -> None:
@@ -201,11 +210,10 @@ class TorchSteps:
             while True:
                 t0 = time.perf_counter()
                 model.zero_grad()
-                y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
-                loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+                _, loss, recorded = self.forward(x, y, sample_weight)
                 loss.backward()
                 steps += 1
-                if steps > warmup:
+                if steps > warmup and not recorded:
                     timed.append(time.perf_counter() - t0)
                 if (len(timed) >= min_steps and sum(timed) >= min_seconds) or steps >= max_steps + warmup:
                     break

@@ -1,0 +1,310 @@
+"""The forward pass and loss of Keras's own training step, replayed as recorded torch operations.
+
+Keras runs each layer's forward pass through Python (its ``__call__``,
+dtype policies, name scopes, ``keras.ops`` dispatch), which costs tens of
+microseconds per operation whatever the batch.  On small models and small
+local batches that is most of a step: on the MLP 784-512-512-10 at 32 rows,
+the forward pass and loss took 2.3 ms through Keras against 0.8 ms as bare
+torch calls.  Splitting a batch over devices halves the arithmetic of each
+but not this fixed cost, so it decided whether two devices beat one.
+
+:class:`ForwardReplay` records, once per input signature, the torch
+operations that the model's forward pass and ``compute_loss`` dispatch
+(``torch.fx``'s ``make_fx``, on the real tensors), and from then on calls
+those operations directly.  Autograd sees the same operations in the same
+order as in Keras's own code, so the loss, the outputs and every gradient
+are the same bit for bit; backward is untouched.  Variables the pass writes
+(BatchNorm's moving statistics, the loss's per-output trackers) are
+arguments of the recording, so a replay writes them as Keras's pass does.
+
+It replays only where that is certain, and otherwise the step runs Keras's
+own code (nothing else changes):
+
+* every layer's ``call`` and the model's ``compute_loss`` are Keras's own
+  (a layer or model of the user's own may keep Python state between steps);
+* the recording neither draws random numbers (Dropout) nor reads a tensor's
+  value into Python (``make_fx`` refuses that: a branch on the data);
+* the first replay of each signature gives the same outputs, loss and
+  gradients, bit for bit, as Keras's own pass on the same batch.
+
+``MULTIGPU_REPLAY=0`` in the environment keeps Keras's own pass everywhere.
+
+A signature (input shapes, dtypes, devices) is recorded at its second step,
+so that a ragged last batch or a passing share costs nothing; at most
+``max_graphs`` signatures are kept.  Recording takes from 0.2 s (an MLP) to
+4 s (a GRU over 40 steps, unrolled); after the first one, recordings take at
+most 5% of the time since the first step, so that a share search visiting
+many local batch sizes does not pay for one recording each.  Recording runs the forward pass once
+more, with every non-trainable variable and torch's random state restored
+afterwards (recording and checking the replay write them once more).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+
+import keras
+import torch
+
+from multigpu.keras import _compat
+from multigpu.keras.model_parts import own_method
+
+__all__ = ["ForwardReplay", "ineligible", "prepare_graph"]
+
+_DIFFERS = "its replay differed from Keras's own pass"
+
+
+class ForwardReplay:
+    """The forward pass and loss of one model's built-in training step (see the module docstring).
+
+    Args:
+        model: the Keras model.
+        enabled: False keeps Keras's own code for every step (global BatchNorm
+            statistics, whose forward pass runs collectives).
+        max_graphs: the most input signatures kept, least recently used dropped.
+        record_at: the step of a signature at which it is recorded.
+        budget: after the first recording, the most of the time since the
+            first call that recordings may take (a signature waits until then).
+    """
+
+    def __init__(self, model, *, enabled: bool = True, max_graphs: int = 8, record_at: int = 2,
+                 budget: float = 0.05) -> None:
+        self.model = model
+        self.max_graphs = max_graphs
+        self.record_at = record_at
+        self.budget = budget
+        self._began: float | None = None
+        if not enabled:
+            self.reason: str | None = "disabled"
+        elif os.environ.get("MULTIGPU_REPLAY", "1") == "0":
+            self.reason = "MULTIGPU_REPLAY=0"
+        else:
+            self.reason = None
+        self.recorded = 0
+        self.replayed = 0
+        self.record_seconds = 0.0
+        self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self._refused: set[tuple] = set()
+        self._checked = False
+
+    def __call__(self, x, y, sample_weight) -> tuple[object, torch.Tensor, bool]:
+        """``(y_pred, loss, recorded)`` of the training forward pass on this batch.
+
+        ``recorded`` says that this call also recorded a signature (the step
+        took longer than a step does).
+        """
+        if not self._checked:
+            self._checked = True
+            if self.reason is None:
+                self.reason = ineligible(self.model)
+        if self.reason is not None:
+            y_pred, loss = self._keras(x, y, sample_weight)
+            return y_pred, loss, False
+        if self._began is None:
+            self._began = time.perf_counter()
+        leaves, spec = _flat_inputs(x, y, sample_weight)
+        values = _variable_values(self.model)
+        key = _signature(self.model, leaves, spec, values)
+        if key is not None:
+            graph = self._graphs.get(key)
+            if graph is not None:
+                self._graphs.move_to_end(key)
+                self.replayed += 1
+                return self._replay(graph, values, leaves)
+        y_pred, loss = self._keras(x, y, sample_weight)
+        if key is None or key in self._refused:
+            return y_pred, loss, False
+        self._seen[key] = seen = self._seen.get(key, 0) + 1
+        if seen < self.record_at or not self._within_budget():
+            return y_pred, loss, False
+        self._record(key, x, y, sample_weight, leaves, values, y_pred, loss)
+        return y_pred, loss, True
+
+    # ------------------------------------------------------------ internals
+    def _within_budget(self) -> bool:
+        """The first recording always; later ones while recordings took at most ``budget`` of the time."""
+        return self.record_seconds == 0.0 or self.record_seconds <= self.budget * (time.perf_counter() - self._began)
+
+    def _keras(self, x, y, sample_weight):
+        model = self.model
+        y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
+        return y_pred, _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+
+    def _replay(self, graph, values, leaves):
+        gm, unique, template = graph
+        out = gm(*values, *(leaves[i] for i in unique))
+        y_pred = out[0] if template is None else keras.tree.pack_sequence_as(template, list(out[:-1]))
+        return y_pred, out[-1], False
+
+    def _record(self, key, x, y, sample_weight, leaves, values, y_pred, loss) -> None:
+        """Records the signature's operations, checks them, and keeps them if a replay matches Keras's pass."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        began = time.perf_counter()
+        unique = _unique_positions(leaves)
+        flat_pred = keras.tree.flatten(y_pred)
+        template = None if isinstance(y_pred, torch.Tensor) else keras.tree.map_structure(lambda _: 0, y_pred)
+        variables = [v for v in _variables(self.model) if not v.trainable]
+        saved = [v.value.detach().clone() for v in variables]  # recording and checking write them again
+        rng = _rng_state()
+
+        def forward(*_tensors):  # make_fx maps the variables and inputs to its arguments by identity
+            pred, value = self._keras(x, y, sample_weight)
+            return (*keras.tree.flatten(pred), value)
+
+        problem = None
+        try:
+            gm = make_fx(forward)(*values, *(leaves[i] for i in unique))
+            trainable = len(self.model.trainable_variables)
+            problem = prepare_graph(gm, trainable, len(values))
+            if problem is None:
+                out = gm(*values, *(leaves[i] for i in unique))
+                expected = [*flat_pred, loss]
+                if len(out) != len(expected) or not all(_same(a, b) for a, b in zip(out, expected)):
+                    problem = _DIFFERS
+                elif trainable and loss.requires_grad:  # and the gradients: backward sees what Keras's pass made
+                    params = values[:trainable]
+                    want = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+                    got = torch.autograd.grad(out[-1], params, allow_unused=True)
+                    if not all((a is None and b is None) or _same(a, b) for a, b in zip(got, want)):
+                        problem = _DIFFERS
+        except Exception as error:  # any failure to record means Keras's own pass
+            problem = f"recording failed ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+        finally:
+            with torch.no_grad():
+                for v, value in zip(variables, saved):
+                    v.value.copy_(value)
+            _set_rng_state(rng)
+        self.record_seconds += time.perf_counter() - began
+        if problem is not None:
+            self._refused.add(key)
+            if problem != _DIFFERS or (not self._graphs and len(self._refused) >= 2):
+                self.reason = problem  # every signature would have it: Keras's own pass from now on
+            return
+        self.recorded += 1
+        self._graphs[key] = (gm, unique, template)
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+
+
+def ineligible(model) -> str | None:
+    """Why ``model``'s forward pass cannot be replayed, or None."""
+    for layer in [model, *_compat.flatten_layers(model)]:
+        call = type(layer).call
+        if not getattr(call, "__module__", "").startswith("keras."):
+            return f"layer {layer.name!r} has its own call ({type(layer).__name__})"
+    if own_method(type(model), "compute_loss") is not None:
+        return "the model has its own compute_loss"
+    return None
+
+
+def prepare_graph(gm, trainable: int, variables: int) -> str | None:
+    """Readies a recorded graph for replay; or says why it may not be replayed.
+
+    Its first ``variables`` arguments are the model's variables, the first
+    ``trainable`` of them trainable.  Keras writes a variable (``assign``)
+    with gradients off, which the recording does not keep: each write to a
+    non-trainable variable is made to run so again.  Writes to tensors made
+    inside the pass stay as recorded (the recording's check compares the
+    gradients too).  A graph that draws random numbers, or writes a trainable
+    variable or an input, is refused.
+    """
+    args = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    writable = set(args[trainable:variables])
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            return f"the forward pass draws random numbers ({node.target})"
+        schema = node.target._schema
+        if not schema.is_mutable:
+            continue
+        written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                   for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        if any(w in writable for w in written):
+            if not all(w in writable for w in written):
+                return f"the forward pass writes a variable and another tensor in one operation ({node.target})"
+            node.target = _without_grad(node.target)
+        elif any(w in args for w in written):
+            return f"the forward pass writes a trainable variable or an input in place ({node.target})"
+    gm.recompile()
+    return None
+
+
+_WITHOUT_GRAD: dict = {}
+
+
+def _without_grad(op):
+    """``op`` run with gradients off, as Keras's ``Variable.assign`` runs it."""
+    wrapper = _WITHOUT_GRAD.get(op)
+    if wrapper is None:
+        def wrapper(*args, **kwargs):
+            with torch.no_grad():
+                return op(*args, **kwargs)
+
+        wrapper.__name__ = f"{op.__name__.replace('.', '_')}_without_grad"
+        _WITHOUT_GRAD[op] = wrapper
+    return wrapper
+
+
+def _rng_state() -> tuple:
+    return torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _variables(model) -> list:
+    """Every variable the forward pass and loss may read or write, the loss's own metrics included."""
+    seen: set[int] = set()
+    out = []
+    for v in [*model.trainable_variables, *model.non_trainable_variables, *model.metrics_variables]:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+def _variable_values(model) -> list[torch.Tensor]:
+    return [v.value for v in _variables(model)]
+
+
+def _flat_inputs(x, y, sample_weight) -> tuple[list, object]:
+    leaves, spec = torch.utils._pytree.tree_flatten((x, y, sample_weight))
+    return leaves, spec
+
+
+def _signature(model, leaves: list, spec, values: list) -> tuple | None:
+    """What a recording depends on, or None when the inputs are not all tensors."""
+    shapes = []
+    for leaf in leaves:
+        if leaf is None:
+            shapes.append(None)
+        elif isinstance(leaf, torch.Tensor):
+            shapes.append((tuple(leaf.shape), leaf.dtype, leaf.device))
+        else:
+            return None
+    return (str(spec), tuple(shapes), tuple(_unique_positions(leaves)),
+            tuple(map(id, values)), id(_compat.compiled_loss(model)))
+
+
+def _unique_positions(leaves: list) -> list[int]:
+    """Positions of the first occurrence of each distinct tensor (``fit(x, x)`` passes one tensor twice)."""
+    seen: set[int] = set()
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(i)
+    return out
+
+
+def _same(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and torch.equal(a.detach(), b.detach()))

@@ -1,0 +1,168 @@
+"""The replayed forward pass (``multigpu.backend.torch.replay``): the same numbers as Keras's own, or Keras's own."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+from multigpu.backend.torch import replay
+from multigpu.backend.torch.replay import ForwardReplay
+
+pytestmark = pytest.mark.skipif(os.environ.get("KERAS_BACKEND") != "torch", reason="the torch backend's step")
+
+
+def _mlp(extra=()):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"), *extra,
+                              keras.layers.Dense(4, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def _data(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    return (torch.as_tensor(rng.normal(size=(rows, 12)).astype("float32")),
+            torch.as_tensor(rng.integers(0, 4, size=(rows,))))
+
+
+def _grads(model, fn):
+    model.zero_grad()
+    y_pred, loss = fn()[:2]
+    loss.backward()
+    return y_pred, loss, [v.value.grad.clone() for v in model.trainable_variables]
+
+
+def _assert_same(a, b):
+    for p, q in zip(keras.tree.flatten(a), keras.tree.flatten(b)):
+        assert p.dtype == q.dtype and torch.equal(p.detach(), q.detach())
+
+
+def test_replay_gives_keras_outputs_loss_and_gradients_bit_for_bit():
+    model = _mlp()
+    r = ForwardReplay(model)
+    x, y = _data(8)
+    for _ in range(2):  # the signature is recorded at its second step
+        _, _, recorded = r(x, y, None)
+    assert recorded and r.recorded == 1 and r.reason is None
+    for seed in (1, 2):  # new data of the same signature: replayed
+        x, y = _data(8, seed)
+        got = _grads(model, lambda: r(x, y, None))
+        want = _grads(model, lambda: r._keras(x, y, None))
+        _assert_same(got[0], want[0])
+        _assert_same(got[1], want[1])
+        _assert_same(got[2], want[2])
+    assert r.replayed == 2
+
+
+def test_each_signature_is_recorded_once_at_its_second_step_and_at_most_max_graphs_kept():
+    model = _mlp()
+    r = ForwardReplay(model, max_graphs=2, budget=1e9)
+    for rows in (5, 5, 6, 6, 7, 7):
+        r(*_data(rows), None)
+    assert r.recorded == 3 and len(r._graphs) == 2  # 5 rows' graph dropped
+    x, y = _data(5)
+    before = r.replayed
+    r(x, y, None)
+    assert r.replayed == before  # 5 rows: Keras's own pass again
+    x, y = _data(7)
+    _assert_same(r(x, y, None)[1], r._keras(x, y, None)[1])
+    assert r.replayed == before + 1
+
+
+def test_a_model_with_several_inputs_and_outputs_and_an_input_given_twice():
+    keras.utils.set_random_seed(2)
+    a = keras.Input((6,), name="a")
+    b = keras.Input((3,), name="b")
+    h = keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2))(
+        keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, {"out": keras.layers.Dense(6, name="out")(h),
+                                           "cls": keras.layers.Dense(2, activation="softmax", name="cls")(h)})
+    model.compile(optimizer="sgd", loss={"out": "mse", "cls": "sparse_categorical_crossentropy"},
+                  loss_weights={"out": 0.5, "cls": 2.0})
+    r = ForwardReplay(model)
+    rng = np.random.default_rng(0)
+
+    def batch():
+        xa = torch.as_tensor(rng.normal(size=(4, 6)).astype("float32"))
+        x = {"a": xa, "b": torch.as_tensor(rng.normal(size=(4, 3)).astype("float32"))}
+        return x, {"out": xa, "cls": torch.as_tensor(rng.integers(0, 2, size=(4,)))}  # xa twice
+
+    for _ in range(3):  # the loss's per-output trackers are built at the first step: recorded at the third
+        r(*batch(), None)
+    assert r.recorded == 1, r.reason
+    x, y = batch()
+
+    def tracked():  # the loss's per-output trackers (sums and counts)
+        return [v.value.clone() for v in model.metrics_variables]
+
+    t0 = tracked()
+    got = _grads(model, lambda: r(x, y, None))
+    t1 = tracked()
+    for v, value in zip(model.metrics_variables, t0):
+        v.assign(value)
+    want = _grads(model, lambda: r._keras(x, y, None))
+    assert r.replayed == 1 and set(got[0]) == {"out", "cls"}
+    for g, w in zip(got, want):
+        _assert_same(g, w)
+    assert any(not torch.equal(a, b) for a, b in zip(t0, t1))  # the replay wrote the trackers...
+    _assert_same(t1, tracked())  # ...as Keras's pass does
+    assert all(v.value.grad_fn is None for v in model.metrics_variables)  # ...and with gradients off
+
+
+def test_batchnorm_is_replayed_and_its_statistics_are_as_without_replay():
+    def run(use_replay):
+        model = _mlp([keras.layers.BatchNormalization()])
+        r = ForwardReplay(model, enabled=use_replay)
+        for seed in range(3):
+            x, y = _data(8, seed)
+            _grads(model, lambda: r(x, y, None))
+        return r, [v.value for v in model.non_trainable_variables]
+
+    r, stats = run(True)
+    assert r.recorded == 1 and r.replayed == 1, r.reason  # recorded at step 2 (its writes undone), replayed at 3
+    assert all(s.grad_fn is None for s in stats)
+    _, plain = run(False)
+    _assert_same(stats, plain)
+
+
+def test_dropout_is_refused_and_the_random_streams_are_as_without_replay():
+    def run(use_replay):
+        model = _mlp([keras.layers.Dropout(0.5)])
+        r = ForwardReplay(model, enabled=use_replay)
+        torch.manual_seed(3)
+        outs = [r(*_data(8, seed), None)[0] for seed in range(3)]
+        return r, outs, torch.random.get_rng_state(), [v.value.clone() for v in model.non_trainable_variables]
+
+    r, outs, rng, seeds = run(True)
+    assert r.recorded == 0 and r.reason is not None
+    _, plain_outs, plain_rng, plain_seeds = run(False)
+    _assert_same(outs, plain_outs)
+    _assert_same(seeds, plain_seeds)
+    assert torch.equal(rng, plain_rng)
+
+
+class _Branchy(keras.layers.Layer):
+    def call(self, x):
+        return x * 2.0 if float(keras.ops.sum(x)) > 0 else x
+
+
+def test_own_layers_keep_keras_pass_and_a_branch_on_data_is_never_recorded(monkeypatch):
+    model = _mlp([_Branchy(name="branchy")])
+    r = ForwardReplay(model)
+    r(*_data(8), None)
+    assert "branchy" in r.reason
+    monkeypatch.setattr(replay, "ineligible", lambda model: None)
+    r = ForwardReplay(model)
+    for _ in range(2):
+        r(*_data(8), None)
+    assert r.recorded == 0 and r.reason.startswith("recording failed")
+
+
+def test_replay_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("MULTIGPU_REPLAY", "0")
+    r = ForwardReplay(_mlp())
+    for _ in range(3):
+        r(*_data(8), None)
+    assert r.recorded == 0 and r.reason == "MULTIGPU_REPLAY=0"
