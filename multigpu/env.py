@@ -20,6 +20,9 @@ starts can find each other.
   sum gradients (default ``auto``: ``shm`` on x86-64 Linux; see ``parallelize(transport=)``).
 * ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
   ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
+* ``MULTIGPU_REPLAY``: ``0`` runs Keras's own forward pass at every training step on
+  torch instead of replaying its recorded operations (``multigpu.backend.torch.replay``;
+  the same numbers either way, so it is for measuring what the replay buys).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -42,6 +45,7 @@ RUN_DIR = "MULTIGPU_RUN_DIR"
 TIMEOUT = "MULTIGPU_TIMEOUT"
 TRANSPORT = "MULTIGPU_TRANSPORT"
 PROFILE = "MULTIGPU_PROFILE"
+REPLAY = "MULTIGPU_REPLAY"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT)

@@ -48,6 +48,7 @@ from collections import OrderedDict
 import keras
 import torch
 
+from multigpu import env
 from multigpu.keras import _compat
 from multigpu.keras.model_parts import own_method
 
@@ -78,7 +79,7 @@ class ForwardReplay:
         self._began: float | None = None
         if not enabled:
             self.reason: str | None = "disabled"
-        elif os.environ.get("MULTIGPU_REPLAY", "1") == "0":
+        elif os.environ.get(env.REPLAY, "1") == "0":
             self.reason = "MULTIGPU_REPLAY=0"
         else:
             self.reason = None
