@@ -166,3 +166,16 @@ def test_replay_can_be_turned_off(monkeypatch):
     for _ in range(3):
         r(*_data(8), None)
     assert r.recorded == 0 and r.reason == "MULTIGPU_REPLAY=0"
+
+
+def test_recordings_past_a_second_wait_for_their_share_of_the_run():
+    r = ForwardReplay(_mlp(), budget=0.05)
+    r(*_data(8), None)
+    r.record_seconds = 2.0  # as if recordings had taken 2 s: 40 s of run are needed
+    r._began -= 10.0
+    for _ in range(3):
+        r(*_data(8), None)
+    assert r.recorded == 0
+    r._began -= 40.0
+    r(*_data(8), None)
+    assert r.recorded == 1

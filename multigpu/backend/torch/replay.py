@@ -32,9 +32,9 @@ own code (nothing else changes):
 A signature (input shapes, dtypes, devices) is recorded at its second step,
 so that a ragged last batch or a passing share costs nothing; at most
 ``max_graphs`` signatures are kept.  Recording takes from 0.2 s (an MLP) to
-4 s (a GRU over 40 steps, unrolled); after the first one, recordings take at
-most 5% of the time since the first step, so that a share search visiting
-many local batch sizes does not pay for one recording each.  Recording runs the forward pass once
+4 s (a GRU over 40 steps, unrolled); once they took a second in all, they
+take at most 5% of the time since the first step, so that a share search
+visiting many local batch sizes does not pay for one recording each.  Recording runs the forward pass once
 more, with every non-trainable variable and torch's random state restored
 afterwards (recording and checking the replay write them once more).
 """
@@ -66,8 +66,8 @@ class ForwardReplay:
             statistics, whose forward pass runs collectives).
         max_graphs: the most input signatures kept, least recently used dropped.
         record_at: the step of a signature at which it is recorded.
-        budget: after the first recording, the most of the time since the
-            first call that recordings may take (a signature waits until then).
+        budget: once recordings took a second, the most of the time since the
+            first call that they may take (a signature waits until then).
     """
 
     def __init__(self, model, *, enabled: bool = True, max_graphs: int = 8, record_at: int = 2,
@@ -126,8 +126,8 @@ class ForwardReplay:
 
     # ------------------------------------------------------------ internals
     def _within_budget(self) -> bool:
-        """The first recording always; later ones while recordings took at most ``budget`` of the time."""
-        return self.record_seconds == 0.0 or self.record_seconds <= self.budget * (time.perf_counter() - self._began)
+        """Recordings while they took under a second in all, or at most ``budget`` of the time since the first."""
+        return self.record_seconds < 1.0 or self.record_seconds <= self.budget * (time.perf_counter() - self._began)
 
     def _keras(self, x, y, sample_weight):
         model = self.model
