@@ -203,8 +203,11 @@ def report(state, batch: int, total: float, one: float | None) -> None:
     speedup = total / one
     computing = sum(r.get("compute_samples_per_second", 0) for r in last)
     waiting = max((r.get("wait", 0) / ((r.get("compute", 0) + r.get("wait", 0)) or 1.0) for r in last), default=0)
-    where = (f"the devices computed at {computing / (one * ideal):.0%} of their speed alone (the cores share "
-             f"caches and memory bandwidth), waited up to {waiting:.0%} of a step, and the rest is per-step work")
+    pace = computing / (one * ideal)
+    why = ("multigpu replays the forward pass without Keras's per-operation work, and the cores share caches and "
+           "memory bandwidth" if pace > 1.0 else "the cores share caches and memory bandwidth")
+    where = (f"the devices computed at {pace:.0%} of their speed alone ({why}), waited up to {waiting:.0%} of a "
+             "step, and the rest is per-step work")
     if speedup >= 1.0:
         print(f"speedup: {speedup:.2f}x against one full-speed device alone ({one:.0f} samples/s, same model, data "
               f"and batch); the speed factors add up to {ideal:.2f}: {where}.")
