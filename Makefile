@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
 
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_core.py
