@@ -29,12 +29,13 @@ own code (nothing else changes):
 
 ``MULTIGPU_REPLAY=0`` in the environment keeps Keras's own pass everywhere.
 
-A signature (input shapes, dtypes, devices) is recorded at its second step,
-so that a ragged last batch or a passing share costs nothing; at most
-``max_graphs`` signatures are kept.  Recording takes from 0.2 s (an MLP) to
-4 s (a GRU over 40 steps, unrolled); once they took a second in all, they
-take at most 5% of the time since the first step, so that a share search
-visiting many local batch sizes does not pay for one recording each.  Recording runs the forward pass once
+A signature (input shapes, dtypes, devices) is recorded at its second step
+at the earliest, so that a ragged last batch costs nothing, and otherwise
+once its steps through Keras's pass took as long as the last recording did:
+recording takes from 0.2 s (an MLP) to 4 s (a GRU over 40 steps, unrolled),
+so a local batch size that a share search only passes through costs at most
+twice its time, and one it settles on is replayed within that.  At most
+``max_graphs`` signatures are kept.  Recording runs the forward pass once
 more, with every non-trainable variable and torch's random state restored
 afterwards (recording and checking the replay write them once more).
 """
@@ -65,18 +66,16 @@ class ForwardReplay:
         enabled: False keeps Keras's own code for every step (global BatchNorm
             statistics, whose forward pass runs collectives).
         max_graphs: the most input signatures kept, least recently used dropped.
-        record_at: the step of a signature at which it is recorded.
-        budget: once recordings took a second, the most of the time since the
-            first call that they may take (a signature waits until then).
+        record_at: the earliest step of a signature at which it is recorded
+            (later once the last recording took longer than the signature's
+            steps so far through Keras's pass).
     """
 
-    def __init__(self, model, *, enabled: bool = True, max_graphs: int = 8, record_at: int = 2,
-                 budget: float = 0.05) -> None:
+    def __init__(self, model, *, enabled: bool = True, max_graphs: int = 8, record_at: int = 2) -> None:
         self.model = model
         self.max_graphs = max_graphs
         self.record_at = record_at
-        self.budget = budget
-        self._began: float | None = None
+        self._record_cost = 0.0  # seconds the last recording took
         if not enabled:
             self.reason: str | None = "disabled"
         elif os.environ.get(env.REPLAY, "1") == "0":
@@ -87,7 +86,7 @@ class ForwardReplay:
         self.replayed = 0
         self.record_seconds = 0.0
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
-        self._seen: dict[tuple, int] = {}
+        self._seen: dict[tuple, tuple[int, float]] = {}  # steps and seconds through Keras's pass
         self._refused: set[tuple] = set()
         self._checked = False
 
@@ -104,8 +103,6 @@ class ForwardReplay:
         if self.reason is not None:
             y_pred, loss = self._keras(x, y, sample_weight)
             return y_pred, loss, False
-        if self._began is None:
-            self._began = time.perf_counter()
         leaves, spec = _flat_inputs(x, y, sample_weight)
         values = _variable_values(self.model)
         key = _signature(self.model, leaves, spec, values)
@@ -115,20 +112,18 @@ class ForwardReplay:
                 self._graphs.move_to_end(key)
                 self.replayed += 1
                 return self._replay(graph, values, leaves)
+        began = time.perf_counter()
         y_pred, loss = self._keras(x, y, sample_weight)
         if key is None or key in self._refused:
             return y_pred, loss, False
-        self._seen[key] = seen = self._seen.get(key, 0) + 1
-        if seen < self.record_at or not self._within_budget():
-            return y_pred, loss, False
+        steps, seconds = self._seen.get(key, (0, 0.0))
+        self._seen[key] = steps, seconds = steps + 1, seconds + time.perf_counter() - began
+        if steps < self.record_at or seconds < self._record_cost:
+            return y_pred, loss, False  # recorded once its passes took as long as a recording
         self._record(key, x, y, sample_weight, leaves, values, y_pred, loss)
         return y_pred, loss, True
 
     # ------------------------------------------------------------ internals
-    def _within_budget(self) -> bool:
-        """Recordings while they took under a second in all, or at most ``budget`` of the time since the first."""
-        return self.record_seconds < 1.0 or self.record_seconds <= self.budget * (time.perf_counter() - self._began)
-
     def _keras(self, x, y, sample_weight):
         model = self.model
         y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
@@ -179,7 +174,8 @@ class ForwardReplay:
                 for v, value in zip(variables, saved):
                     v.value.copy_(value)
             _set_rng_state(rng)
-        self.record_seconds += time.perf_counter() - began
+        self._record_cost = time.perf_counter() - began
+        self.record_seconds += self._record_cost
         if problem is not None:
             self._refused.add(key)
             if problem != _DIFFERS or (not self._graphs and len(self._refused) >= 2):
