@@ -179,3 +179,14 @@ def test_a_signature_is_recorded_once_its_steps_took_as_long_as_the_last_recordi
     r._record_cost = 0.0
     r(*_data(8), None)
     assert r.recorded == 1 and r._record_cost > 0
+
+
+def test_while_the_share_search_moves_a_new_signature_is_recorded_at_its_first_step():
+    r = ForwardReplay(_mlp())
+    assert not r(*_data(8), None, prompt=True)[2]  # nothing recorded yet: the model's first steps run as Keras's
+    r(*_data(8), None)
+    assert r.recorded == 1
+    r._record_cost = 60.0  # however long the last recording took
+    assert not r(*_data(9), None)[2]  # the search is still: the seconds rule
+    assert r(*_data(10), None, prompt=True)[2] and r.recorded == 2  # moving: at once
+    assert not r(*_data(10), None, prompt=True)[2] and r.replayed == 1

@@ -120,6 +120,11 @@ class LoadBalancer:
         """Rows per rank of a global batch of ``total`` rows, by the current ratios."""
         return capped_split(total, self.ratios, self.options.caps)
 
+    @property
+    def searching(self) -> bool:
+        """The share search is moving (not settled): every step it judges should be a steady one."""
+        return self.search is not None and not self.search.settled
+
     def describe(self) -> str:
         """One line naming the devices and their current shares."""
         total = sum(self.ratios)

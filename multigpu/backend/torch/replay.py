@@ -90,8 +90,15 @@ class ForwardReplay:
         self._refused: set[tuple] = set()
         self._checked = False
 
-    def __call__(self, x, y, sample_weight) -> tuple[object, torch.Tensor, bool]:
+    def __call__(self, x, y, sample_weight, *, prompt: bool = False) -> tuple[object, torch.Tensor, bool]:
         """``(y_pred, loss, recorded)`` of the training forward pass on this batch.
+
+        Args:
+            x, y, sample_weight: the batch, as Keras unpacks it.
+            prompt: record a new signature at its first step once a first
+                recording exists (the share search is moving: its windows
+                must time the replayed pass, as at the shares it compares
+                them with).
 
         ``recorded`` says that this call also recorded a signature (the step
         took longer than a step does).
@@ -118,7 +125,7 @@ class ForwardReplay:
             return y_pred, loss, False
         steps, seconds = self._seen.get(key, (0, 0.0))
         self._seen[key] = steps, seconds = steps + 1, seconds + time.perf_counter() - began
-        if steps < self.record_at or seconds < self._record_cost:
+        if not (prompt and self.recorded) and (steps < self.record_at or seconds < self._record_cost):
             return y_pred, loss, False  # recorded once its passes took as long as a recording
         self._record(key, x, y, sample_weight, leaves, values, y_pred, loss)
         return y_pred, loss, True

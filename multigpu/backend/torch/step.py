@@ -131,7 +131,7 @@ class TorchSteps:
         trainable = model.trainable_weights[:]
         if local > 0 or self.sync_batchnorm:
             if local > 0:
-                y_pred, loss, self._recorded = self.forward(x, y, sample_weight)
+                y_pred, loss, self._recorded = self.forward(x, y, sample_weight, prompt=self.balancer.searching)
                 tracker = _compat.loss_tracker(model)
                 if tracker is not None:
                     tracker.update_state(loss, sample_weight=local)
