@@ -17,9 +17,10 @@ DeviceSpec = str | int | Device
 COMPRESSION = (None, "bf16", "fp16")
 TRANSPORTS = ("auto", "shm", "gloo")
 _COMMS: dict = {}
-# JAX compiles the step once per local batch size (~6 s for the benchmark convnet on one core), so the
-# share search stops at moves of 2% of the batch there (torch: one sample), and does not open with a scan.
-JAX_MIN_STEP = 0.02
+# JAX compiles the step once per local batch size (~6 s for the benchmark convnet on one core), so there
+# local batch sizes are multiples of 1/16 of the batch (each compiled once), the share search moves by
+# that much at least (torch: one sample), and does not open with a scan.
+JAX_GRID = 16
 
 
 def _check_model(model) -> None:
@@ -197,7 +198,7 @@ def parallelize(
 
     options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
                              profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
-                             caps=caps, report=report, min_step=JAX_MIN_STEP if backend.name() == "jax" else 0.0,
+                             caps=caps, report=report, grid=JAX_GRID if backend.name() == "jax" else 0,
                              scan=backend.name() != "jax")
     comm = _COMMS.get(id(runtime))
     if comm is None:

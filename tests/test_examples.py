@@ -39,11 +39,12 @@ def test_mnist_convnet_compares_one_device_with_all(runner):
 
 @pytest.mark.timeout(150)
 def test_gru_sequences_prints_a_row_per_batch_size_and_device_count(runner):
-    out = run_example(runner, "gru_sequences.py", *TWO_CPUS, timeout=140)
+    out = run_example(runner, "gru_sequences.py", *TWO_CPUS, "--batch-sizes", "256", "--rows", "1024",
+                      timeout=140)
     assert "| batch size | devices | accuracy | validation accuracy | time (s) | speed up |" in out
     rows = [m.groups() for m in re.finditer(
         rf"^\| (\d+) \| (\d+) \| {NUMBER} \| {NUMBER} \| {NUMBER} \| {NUMBER} \|$", out, re.M)]
-    assert [(int(r[0]), int(r[1])) for r in rows] == [(64, 1), (64, 2), (256, 1), (256, 2)], out
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(256, 1), (256, 2)], out  # each row starts processes
     for _, devices, accuracy, val_accuracy, seconds, speedup in rows:
         assert 0 <= float(accuracy) <= 1 and 0 <= float(val_accuracy) <= 1
         assert float(seconds) > 0 and float(speedup) > 0

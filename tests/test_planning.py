@@ -114,6 +114,30 @@ def test_one_parser_for_every_spelling_of_ratios():
         parse_ratios(4)
 
 
+@given(total=st.integers(0, 1024), quantum=st.integers(2, 64), ratios=st.lists(st.floats(0.1, 10.0), min_size=2,
+                                                                                 max_size=4), data=st.data())
+def test_a_quantum_keeps_every_share_on_its_grid_but_one_remainder(total, quantum, ratios, data):
+    caps = data.draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(1, 1024)), min_size=len(ratios),
+                                                   max_size=len(ratios))))
+    if caps is not None and total > sum(math.inf if c is None else c for c in caps):
+        return
+    shares = capped_split(total, ratios, caps, quantum)
+    assert sum(shares) == total
+    assert caps is None or all(c is None or s <= c for s, c in zip(shares, caps))
+    off = [s for s in shares if s % quantum]
+    if caps is None and total >= quantum:
+        assert len(off) <= 1 and (not off or off[0] % quantum == total % quantum)
+        exact = [total * r / sum(ratios) for r in ratios]
+        if min(exact) >= quantum:  # no device raised to its one unit: each share within a unit of its exact value
+            assert max(abs(s - e) for s, e in zip(shares, exact)) <= quantum + total % quantum
+
+
+def test_a_quantum_splits_in_units():
+    assert capped_split(256, [2, 1], quantum=16) == [176, 80]
+    assert capped_split(100, [2, 1], quantum=6) == [70, 30]  # 4 left: to the largest ratio
+    assert capped_split(96, [1, 1], [40, 60], 16) == [40, 56]  # units do not fit the caps: rows one by one
+
+
 def test_capped_split_moves_the_excess_and_names_the_largest_batch():
     assert capped_split(100, [1, 1], [20, None]) == [20, 80]
     with pytest.raises(ValueError, match="largest global batch that fits is 60"):

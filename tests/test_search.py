@@ -7,7 +7,6 @@ machines where devices slow each other down), so only measured throughput
 tells the truth.
 """
 
-import itertools
 import random
 
 import pytest
@@ -159,28 +158,31 @@ def test_shares_do_not_drift_where_throughput_barely_depends_on_them():
     assert all(0.55 <= f <= 0.80 for f in finals), [round(f, 2) for f in finals]
 
 
-def test_min_step_bounds_the_local_batch_sizes_tried():
-    """Where each new local batch size compiles (JAX), the search stops at moves of ``min_step``.
+def test_a_grid_bounds_the_local_batch_sizes_tried():
+    """Where each new local batch size compiles (JAX), sizes stay on a grid of ``quantum`` rows.
 
-    Every move it tries is at least ``min_step`` of the batch, where the search down to one
-    sample tries smaller ones, and it still ends within a few percent of the best throughput.
+    Every size the search tries is a multiple of the quantum, so a few sizes are compiled once
+    each, where the search down to one sample tries many; it still ends within a few percent of
+    the best throughput.
     """
-    def moves_tried(min_step):
-        search = ShareSearch([0.6, 0.4], 256, min_step=min_step, patience=100)
+    def sizes_tried(quantum):
+        search = ShareSearch([0.6, 0.4], 256, min_step=quantum / 256, quantum=quantum,
+                             first_step=max(0.04, quantum / 256), patience=100)
         sizes = []
         for _ in range(60):
-            shares = capped_split(256, search.ratios)
+            shares = capped_split(256, search.ratios, quantum=quantum)
             sizes.append(shares[0])
             times = [b / s for b, s in zip(shares, (200, 100))]
             search.observe(Window(tuple(search.ratios), 1280, 5 * max(times), tuple(5 * t for t in times),
                                   tuple(5 * b for b in shares)))
-        return [abs(b - a) for a, b in itertools.pairwise(sizes) if a != b], search
+        return sizes, search
 
-    fine, _ = moves_tried(0.0)
-    coarse, search = moves_tried(0.02)
-    assert search.settled and min(fine) < 5 <= min(coarse), (fine, coarse)
-    achieved = 256 / max(b / s for b, s in zip(capped_split(256, search.ratios), (200, 100)))
-    assert achieved >= 0.97 * best_throughput((200, 100), batch=256)
+    fine, _ = sizes_tried(1)
+    coarse, search = sizes_tried(16)
+    assert search.settled and all(b % 16 == 0 for b in coarse), coarse
+    assert len(set(coarse)) <= 6 and 2 * len(set(coarse)) <= len(set(fine)), (sorted(set(fine)), sorted(set(coarse)))
+    achieved = 256 / max(b / s for b, s in zip(capped_split(256, search.ratios, quantum=16), (200, 100)))
+    assert achieved >= 0.96 * best_throughput((200, 100), batch=256)
 
 
 def test_a_run_of_failed_probes_settles_the_search():

@@ -53,9 +53,11 @@ class BalanceOptions:
         recalibrate: measure even when the profile has an entry.
         caps: per-device largest local batch.
         report: print the per-device breakdown at each epoch end.
-        min_step: the search's smallest move, as a fraction of the batch (0: one
-            sample).  Where every new local batch size costs a compilation
-            (JAX), small moves cost more than they can find.
+        grid: local batch sizes are multiples of ``batch // grid`` rows, and the
+            search's smallest move is that many rows (0: any size, moves down
+            to one sample).  Where every new local batch size costs a
+            compilation (JAX), a few sizes are compiled once each, and small
+            moves would cost more than they can find.
         scan: open the search with a scan of far shares (see
             :class:`~multigpu.balancing.search.ShareSearch`); off where each
             new local batch size compiles (JAX).
@@ -68,7 +70,7 @@ class BalanceOptions:
     recalibrate: bool = False
     caps: list[int | None] | None = None
     report: bool = False
-    min_step: float = 0.0
+    grid: int = 0
     scan: bool = True
 
 
@@ -118,7 +120,13 @@ class LoadBalancer:
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
         """Rows per rank of a global batch of ``total`` rows, by the current ratios."""
-        return capped_split(total, self.ratios, self.options.caps)
+        return capped_split(total, self.ratios, self.options.caps, self.quantum)
+
+    @property
+    def quantum(self) -> int:
+        """Local batch sizes are multiples of this many rows (plus a global batch's remainder on one device)."""
+        grid = self.options.grid
+        return max(1, self.batch_size // grid) if grid and self.batch_size else 1
 
     @property
     def searching(self) -> bool:
@@ -193,7 +201,8 @@ class LoadBalancer:
             return
         if self.search is None or self.search.batch_size != self.batch_size:
             self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
-                                      min_step=self.options.min_step,
+                                      first_step=max(0.04, self.quantum / self.batch_size),
+                                      min_step=self.quantum / self.batch_size, quantum=self.quantum,
                                       scan=ShareSearch.scan if self.options.scan else ())
             self._window = _Window()
 

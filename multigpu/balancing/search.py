@@ -221,6 +221,8 @@ class ShareSearch:
         max_step: the largest move, as a fraction of the batch.
         min_step: the smallest move, as a fraction of the batch (and never
             below one sample); the search settles when halving would go below.
+        quantum: local batch sizes are multiples of this many rows (see
+            :func:`~multigpu.planning.shares.capped_split`).
         patience: the search settles after this many undone moves in a row.
         fixed_costs: model each device's step as a fixed part plus a part per
             row once the windows allow it (:class:`StepCosts`).
@@ -241,6 +243,7 @@ class ShareSearch:
     noise_floor: float = 0.005
     max_step: float = 0.2
     min_step: float = 0.0
+    quantum: int = 1
     patience: int = 4
     fixed_costs: bool = True
     scan: tuple[float, ...] = (0.1, 0.25)
@@ -275,7 +278,7 @@ class ShareSearch:
     # ------------------------------------------------------------ helpers
     def shares(self, ratios: Sequence[float] | None = None) -> list[int]:
         """Integer rows per device of a full global batch."""
-        return capped_split(self.batch_size, ratios if ratios is not None else self.ratios, self.caps)
+        return capped_split(self.batch_size, ratios if ratios is not None else self.ratios, self.caps, self.quantum)
 
     def noise(self) -> float:
         """Relative noise of one window's throughput: an estimate of its standard deviation.

@@ -163,16 +163,32 @@ def split(total: int, ratios: Sequence[float]) -> list[int]:
     return shares
 
 
-def capped_split(total: int, ratios: Sequence[float], caps: Sequence[int | None] | None = None) -> list[int]:
-    """Like :func:`split`, but no device gets more than its cap.
+def capped_split(total: int, ratios: Sequence[float], caps: Sequence[int | None] | None = None,
+                 quantum: int = 1) -> list[int]:
+    """Like :func:`split`, but no device gets more than its cap, and shares come in multiples of ``quantum``.
 
     The excess of a capped device goes to the others in proportion to their
-    ratios.
+    ratios.  With ``quantum > 1`` the batch is split in units of ``quantum``
+    rows and what is left (``total % quantum``) goes whole to the device with
+    the largest ratio that has room: the local batch sizes stay on a small
+    grid, for a backend that compiles once per size (JAX).  When the units do
+    not fit the caps, the rows are split one by one.
 
     Raises:
         ValueError: when ``total`` exceeds the sum of the caps; the message
             gives the largest global batch that fits.
     """
+    if quantum > 1 and total >= quantum:
+        unit_caps = None if caps is None else [None if c is None else int(c) // quantum for c in caps]
+        units = total // quantum
+        if unit_caps is None or sum(math.inf if c is None else c for c in unit_caps) >= units:
+            shares = [u * quantum for u in capped_split(units, ratios, unit_caps)]
+            left = total - sum(shares)
+            for i in sorted(range(len(ratios)), key=lambda i: (-float(ratios[i]), i)):
+                room = math.inf if caps is None or caps[i] is None else int(caps[i]) - shares[i]
+                if left == 0 or (float(ratios[i]) > 0 and room >= left):
+                    shares[i] += left
+                    return shares
     if caps is None or all(c is None for c in caps):
         return split(total, ratios)
     limits = [math.inf if c is None else int(c) for c in caps]

@@ -8,7 +8,7 @@ Modes:
   two_input   two inputs, BatchNorm, Dropout; class_weight, validation_split,
               ModelCheckpoint(save_best_only), EarlyStopping, CSVLogger
   two_output  two outputs, per-output losses/metrics, sample_weight; then
-              evaluate and predict
+              evaluate and predict (with --steps-per-execution N: N batches a call)
   sync_bn     BatchNorm model, sync_batchnorm=True (exact against one device)
   inputs      the same training fed as a PyDataset, a generator and a DataLoader
 """
@@ -99,7 +99,7 @@ def two_output(a):
     model.compile(optimizer=keras.optimizers.SGD(0.05),
                   loss=["mse", "sparse_categorical_crossentropy"],
                   loss_weights=[0.5, 1.0],
-                  metrics=[["mae"], ["accuracy"]])
+                  metrics=[["mae"], ["accuracy"]], steps_per_execution=a.steps_per_execution)
     rng = np.random.default_rng(2)
     x = rng.normal(size=(170, 5)).astype("float32")
     y = [x[:, :1] * 2.0, (x[:, 1] > 0).astype("int64")]
@@ -183,6 +183,7 @@ def main():
     p.add_argument("--plain", action="store_true")
     p.add_argument("--devices", default="cpu:0,cpu:1")
     p.add_argument("--ratios", default="3,1")
+    p.add_argument("--steps-per-execution", type=int, default=1, help="two_output's (the same numbers as 1)")
     a = p.parse_args()
     base = a.out
     for mode in (MODES if a.modes == "all" else a.modes.split(",")):

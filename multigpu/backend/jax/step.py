@@ -135,10 +135,23 @@ class JaxSteps:
             value[0] = value[0] + np.asarray(1_000_003 * self.comm.rank).astype(value.dtype)
             v.assign(value)
 
-    def _check_execution(self) -> None:
-        if getattr(self.model, "steps_per_execution", 1) != 1:
-            raise NotImplementedError("multigpu's JAX backend runs one batch per call: compile the model with "
-                                      f"steps_per_execution=1. Received: {self.model.steps_per_execution}")
+    def _batches(self, one, state, iterator, concatenate: bool = False):
+        """``steps_per_execution`` batches through ``one(state, data)``, one after another, as Keras's JAX
+        trainer runs them (each batch is a step of its own: its plan, collective and timing)."""
+        outputs, state = one(state, next(iterator))
+        if self.model.steps_per_execution == 1:
+            return outputs, state
+        collected = [outputs]
+        for _ in range(self.model.steps_per_execution - 1):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                break
+            outputs, state = one(state, data)
+            collected.append(outputs)
+        if concatenate:
+            outputs = keras.tree.map_structure(lambda *parts: jnp.concatenate(parts), *collected)
+        return outputs, state
 
     def _timed_first(self, name: str, rows: int, call):
         """Runs ``call``; the first call per (function, rows) compiles it, and is timed and logged as such."""
@@ -157,7 +170,6 @@ class JaxSteps:
 
     # ---------------------------------------------------------- training
     def make_train_function(self, force: bool = False):
-        self._check_execution()
         self._initialize()
         if self._train is None or force:
             self._build_train()
@@ -213,7 +225,9 @@ class JaxSteps:
         return out
 
     def _train_function(self, state, iterator):
-        data = next(iterator)
+        return self._batches(self._train_batch, state, iterator)
+
+    def _train_batch(self, state, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
@@ -262,22 +276,24 @@ class JaxSteps:
 
     def _solo_rate(self, trainable, non_trainable, metrics, optimizer, x, y, sample_weight, rows: int, *,
                    min_steps: int = 2, min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
-        """Samples/s of this rank's forward and backward passes alone (compiling first, untimed)."""
-        model = self.model
+        """Samples/s of this rank's share of the step alone (compiling first, untimed).
 
-        def grads(trainable, non_trainable, metrics, optimizer, x, y, sample_weight):
-            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-            return grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
-                           optimizer_variables=optimizer)[1]
+        It times the step's own compiled local function on copies of the
+        state, so that the compilation serves the first step too.
+        """
+        weight, tail = np.float32(1.0), np.zeros(1 + self.timing.size, np.float32)
 
-        fn = jax.jit(grads)
-        args = (trainable, non_trainable, metrics, optimizer, x, y, sample_weight)
+        def call():
+            copies = [jax.tree.map(jnp.copy, v) for v in (non_trainable, metrics)]  # the function donates them
+            return self._local(trainable, *copies, optimizer, x, y, sample_weight, weight, tail)
+
         began = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        self._timed_first("train", rows, call)
+        self._compiled = False  # the calibration's compilation is the start of training, not a move's
         timed: list[float] = []
         while True:
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(call())
             timed.append(time.perf_counter() - t0)
             if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
                 break
@@ -365,7 +381,6 @@ class JaxSteps:
 
     # ---------------------------------------------------------- evaluation
     def make_test_function(self, force: bool = False):
-        self._check_execution()
         self._initialize()
         if self._test is None or force:
             self._build_test()
@@ -394,7 +409,9 @@ class JaxSteps:
         self._test = True
 
     def _test_function(self, state, iterator):
-        data = next(iterator)
+        return self._batches(self._test_batch, state, iterator)
+
+    def _test_batch(self, state, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         trainable, non_trainable, metrics = state
         rows = batch_rows(x)
@@ -428,7 +445,6 @@ class JaxSteps:
 
     # ---------------------------------------------------------- prediction
     def make_predict_function(self, force: bool = False):
-        self._check_execution()
         self._initialize()
         if self._predict is None or force:
             model = self.model
@@ -443,7 +459,9 @@ class JaxSteps:
         return self._predict_function
 
     def _predict_function(self, state, iterator):
-        data = next(iterator)
+        return self._batches(self._predict_batch, state, iterator, concatenate=True)
+
+    def _predict_batch(self, state, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if batch_rows(x) > 0:
             return self._predict(state, data)
