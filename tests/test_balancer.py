@@ -37,6 +37,18 @@ def test_fixed_ratios_are_the_shares_and_nothing_moves_them():
     assert b.describe() == "multigpu: 2 device(s): CPU:0 75%, CPU:1@0.5 25%"
 
 
+def test_a_grid_keeps_automatic_shares_on_a_few_sizes_and_leaves_fixed_ones_alone():
+    b, _ = make("auto", grid=16)
+    b.begin_fit(256, lambda: "sig")
+    b.calibrate(lambda: (1.0, 0.0), lambda v: [v[0], 0.47, *v[2:]], 10)  # speeds 1 : 0.47 -> 68% / 32%
+    assert b.shares(256) == [176, 80] and b.shares(100) == [68, 32]  # units of 16, the remainder to CPU:0
+    feed(b, (200, 94), 300, batch=256)
+    assert b.search.settled and all(s % 16 == 0 for s in b.shares(256))
+    fixed, _ = make("7,3", grid=16)
+    fixed.begin_fit(256, lambda: "sig")
+    assert fixed.shares(256) == [179, 77]
+
+
 def test_calibration_sets_shares_from_solo_speeds_and_writes_the_profile(tmp_path):
     profile = tmp_path / "p.json"
     b, lines = make(profile=profile)

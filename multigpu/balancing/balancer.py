@@ -53,7 +53,7 @@ class BalanceOptions:
         recalibrate: measure even when the profile has an entry.
         caps: per-device largest local batch.
         report: print the per-device breakdown at each epoch end.
-        grid: local batch sizes are multiples of ``batch // grid`` rows, and the
+        grid: with automatic shares, local batch sizes are multiples of ``batch // grid`` rows, and the
             search's smallest move is that many rows (0: any size, moves down
             to one sample).  Where every new local batch size costs a
             compilation (JAX), a few sizes are compiled once each, and small
@@ -124,8 +124,11 @@ class LoadBalancer:
 
     @property
     def quantum(self) -> int:
-        """Local batch sizes are multiples of this many rows (plus a global batch's remainder on one device)."""
-        grid = self.options.grid
+        """Local batch sizes are multiples of this many rows (plus a global batch's remainder on one device).
+
+        Only where shares move (automatic shares): fixed shares have their sizes once and for all.
+        """
+        grid = self.options.grid if self.options.auto else 0
         return max(1, self.batch_size // grid) if grid and self.batch_size else 1
 
     @property

@@ -55,6 +55,7 @@ class State:
         last_report: the last epoch's per-device breakdown (``report=True`` prints it), if any.
         transport: how gradients are summed: ``"shm"``, ``"gloo"``, ``"nccl"`` or ``"none"`` (one device).
         caps: the per-device largest local batch, if given.
+        grid: local batch sizes are multiples of ``batch_size // grid`` rows (JAX's automatic shares: 16), or 0.
     """
 
     rank: int
@@ -65,10 +66,12 @@ class State:
     last_report: dict | None = None
     transport: str = "none"
     caps: list[int | None] | None = field(default=None)
+    grid: int = 0
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
-        return capped_split(batch_size, self.ratios, self.caps)
+        quantum = max(1, batch_size // self.grid) if self.grid else 1
+        return capped_split(batch_size, self.ratios, self.caps, quantum)
 
     def describe(self) -> str:
         """One line naming the devices and their current shares."""
@@ -157,7 +160,8 @@ class ParallelModel:
         if transport == "gloo" and all(d.is_cuda for d in self.runtime.devices):
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
-                     [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps)
+                     [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
+                     b.options.grid if b.options.auto else 0)
 
 
 def _is_parallel_model(model) -> bool:

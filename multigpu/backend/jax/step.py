@@ -163,9 +163,9 @@ class JaxSteps:
         jax.block_until_ready(out)
         self.compiles[key] = seconds = time.perf_counter() - began
         self._compiled = True
-        if len(self.compiles) > 1:  # the first compilation is the start of training; later ones are the cost of moves
-            self.balancer.log(f"compiled the {name} step for {rows} local rows in "
-                               f"{seconds:.1f} s (once per local batch size; not counted as a measurement)")
+        self.balancer.log(f"compiled the {name} step for {rows} local rows in {seconds:.1f} s "
+                          f"({len(self.compiles)} compilation(s), {sum(self.compiles.values()):.1f} s in all; once "
+                          "per local batch size, and not counted as a measurement)")
         return out
 
     # ---------------------------------------------------------- training
