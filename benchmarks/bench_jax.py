@@ -18,7 +18,10 @@ step near 2 s), global batch ``--batch``:
   (default 30: calibration, the search's first moves and their compilations, ~6 s each) are
   not timed;
 * ``keras-dp-slow``: Keras's ``DataParallel`` on both cores with 1.5 cores' worth of CPU time (the
-  same capacity as a full core beside a half one; a quota cannot slow one XLA host device alone).
+  same capacity as a full core beside a half one; a quota cannot slow one XLA host device alone);
+* ``keras-dp-procs``, ``keras-dp-procs-slow``: Keras's ``DataParallel`` over two processes (one device
+  each, as on several hosts), each feeding its half of every global batch, on ``cpu:0`` + ``cpu:1``
+  and on ``cpu:0`` + ``cpu:1@0.5``: Keras's own equal split on a really slower device.
 
 Prints the targets' ratios (medians over ``--rounds``) and writes ``benchmarks/results/jax.json``.
 """
@@ -48,9 +51,12 @@ CONFIGS = {
     "mg2-slow-equal": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1@0.5"], "ratios": [1, 1]},
     "mg2-slow-auto": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1@0.5"], "ratios": "auto", "warmup": 30},
     "keras-dp-slow": {"mode": "keras-dp", "devices": ["cpu:0", "cpu:1"], "cores": [0, 1], "capacity": 1.5},
+    "keras-dp-procs": {"mode": "keras-dp-procs", "devices": ["cpu:0", "cpu:1"]},
+    "keras-dp-procs-slow": {"mode": "keras-dp-procs", "devices": ["cpu:0", "cpu:1@0.5"]},
 }
 TARGETS = [("mg2", "single", 1.8), ("mg1", "single", 0.97), ("mg2-slow-auto", "keras-dp-slow", 1.3),
-           ("mg2-slow-auto", "mg2-slow-equal", 1.3), ("mg2", "keras-dp", 0.95)]
+           ("mg2-slow-auto", "mg2-slow-equal", 1.3), ("mg2", "keras-dp", 0.95),
+           ("mg2-slow-auto", "keras-dp-procs-slow", 1.3), ("mg2", "keras-dp-procs", 0.95)]
 
 
 def main() -> None:

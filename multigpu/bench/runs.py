@@ -14,6 +14,8 @@ Kinds of run (``mode``):
 * ``keras-dp`` (JAX): Keras's own ``keras.distribution.DataParallel`` in one
   process whose CPU is split into one XLA host device per listed device,
   equal shares, on the listed devices' cores (``capacity``: CPU time in cores);
+* ``keras-dp-procs`` (JAX): the same over one process per listed device, each
+  a device of its own at its speed (``cpu:1@0.5``), equal shares;
 * ``calibrate``: one device alone at growing batch sizes.
 
 Every run reports steady-state samples/s (the first ``warmup`` steps are not
@@ -33,7 +35,7 @@ from pathlib import Path
 
 __all__ = ["MODES", "run_config", "solo_devices_config"]
 
-MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-dp", "calibrate")
+MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-dp", "keras-dp-procs", "calibrate")
 
 
 def _pinned(cores):

@@ -374,6 +374,32 @@ def _keras_dp_run(cfg: dict, spec) -> None:
                  "devices": [str(d) for d in jax.devices("cpu")]})
 
 
+def _keras_dp_procs_run(cfg: dict, spec) -> None:
+    """Keras's own ``keras.distribution.DataParallel`` on JAX over the run's processes, one device each
+    (the devices' speeds applied as for multigpu: ``cpu:1@0.5`` runs under half a core), equal shares: each
+    process feeds its half of every global batch, as Keras's multi-process data parallelism asks."""
+    import jax
+    import keras
+    import numpy as np
+
+    rank, n = jax.process_index(), jax.process_count()
+    distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    keras.distribution.set_distribution(distribution)  # each process feeds its own rows
+    batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
+    local = batch // n
+    model = spec.build(float(cfg.get("width", 1.0)))
+    spec.compile(model)
+    x, y = spec.data(batch * (steps + warmup), 0)
+    rows = np.concatenate([np.arange(s * batch + rank * local, s * batch + (rank + 1) * local)
+                           for s in range(steps + warmup)])
+    timer = _timer(batch, warmup, 0)
+    model.fit(x[rows], y[rows], batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    if rank == 0:
+        rate = timer.rate()
+        _write(cfg, {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate,
+                     "devices": [str(d) for d in jax.devices()]})
+
+
 def main(path: str) -> None:
     """Runs the configuration in ``path``."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -387,7 +413,8 @@ def main(path: str) -> None:
 
     keras.utils.set_random_seed(int(cfg.get("seed", 0)))
     spec = get_model(cfg["model"])
-    runs = {"calibrate": _calibrate_run, "ddp": _ddp_run, "keras-ddp": _keras_ddp_run, "keras-dp": _keras_dp_run}
+    runs = {"calibrate": _calibrate_run, "ddp": _ddp_run, "keras-ddp": _keras_ddp_run, "keras-dp": _keras_dp_run,
+            "keras-dp-procs": _keras_dp_procs_run}
     runs.get(cfg["mode"], _fit_run)(cfg, spec)
 
 
