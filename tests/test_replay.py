@@ -186,7 +186,9 @@ def test_while_the_share_search_moves_a_new_signature_is_recorded_at_its_first_s
     assert not r(*_data(8), None, prompt=True)[2]  # nothing recorded yet: the model's first steps run as Keras's
     r(*_data(8), None)
     assert r.recorded == 1
-    r._record_cost = 60.0  # however long the last recording took
+    r._record_cost = 0.5  # a recording costs less than replay.PROMPT_SECONDS
     assert not r(*_data(9), None)[2]  # the search is still: the seconds rule
     assert r(*_data(10), None, prompt=True)[2] and r.recorded == 2  # moving: at once
     assert not r(*_data(10), None, prompt=True)[2] and r.replayed == 1
+    r._record_cost = 60.0  # a dear recording: the seconds rule even while the search moves
+    assert not r(*_data(11), None, prompt=True)[2] and r.recorded == 2

@@ -58,6 +58,12 @@ __all__ = ["ForwardReplay", "ineligible", "prepare_graph"]
 _DIFFERS = "its replay differed from Keras's own pass"
 
 
+# While the share search moves, a new batch size is recorded at once only when a recording costs at most
+# this: the GRU of bench_balance records in 4 s, and a recording at each of a search's ~10 moves cost more
+# than the search gained (gru 256: auto 0.65 of the best fixed share); the MLP's take 0.2 s.
+PROMPT_SECONDS = 1.0
+
+
 class ForwardReplay:
     """The forward pass and loss of one model's built-in training step (see the module docstring).
 
@@ -96,9 +102,10 @@ class ForwardReplay:
         Args:
             x, y, sample_weight: the batch, as Keras unpacks it.
             prompt: record a new signature at its first step once a first
-                recording exists (the share search is moving: its windows
-                must time the replayed pass, as at the shares it compares
-                them with).
+                recording exists and took at most ``PROMPT_SECONDS`` (the
+                share search is moving: its windows should time the replayed
+                pass, as at the shares it compares them with; a dearer
+                recording at every probe would cost more than it corrects).
 
         ``recorded`` says that this call also recorded a signature (the step
         took longer than a step does).
@@ -125,7 +132,8 @@ class ForwardReplay:
             return y_pred, loss, False
         steps, seconds = self._seen.get(key, (0, 0.0))
         self._seen[key] = steps, seconds = steps + 1, seconds + time.perf_counter() - began
-        if not (prompt and self.recorded) and (steps < self.record_at or seconds < self._record_cost):
+        prompt = prompt and self.recorded and self._record_cost <= PROMPT_SECONDS
+        if not prompt and (steps < self.record_at or seconds < self._record_cost):
             return y_pred, loss, False  # recorded once its passes took as long as a recording
         self._record(key, x, y, sample_weight, leaves, values, y_pred, loss)
         return y_pred, loss, True
