@@ -386,6 +386,9 @@ def _keras_dp_procs_run(cfg: dict, spec) -> None:
     distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
     keras.distribution.set_distribution(distribution)  # each process feeds its own rows
     batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
+    if batch % n:
+        raise ValueError(f"keras-dp-procs splits every batch equally over {n} processes: the batch must divide by "
+                         f"{n}. Received: batch={batch}")
     local = batch // n
     model = spec.build(float(cfg.get("width", 1.0)))
     spec.compile(model)

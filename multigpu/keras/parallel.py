@@ -55,7 +55,7 @@ class State:
         last_report: the last epoch's per-device breakdown (``report=True`` prints it), if any.
         transport: how gradients are summed: ``"shm"``, ``"gloo"``, ``"nccl"`` or ``"none"`` (one device).
         caps: the per-device largest local batch, if given.
-        grid: local batch sizes are multiples of ``batch_size // grid`` rows (JAX's automatic shares: 16), or 0.
+        quantum: local batch sizes are multiples of this many rows (JAX's automatic shares: 1/16 of the batch).
     """
 
     rank: int
@@ -66,12 +66,11 @@ class State:
     last_report: dict | None = None
     transport: str = "none"
     caps: list[int | None] | None = field(default=None)
-    grid: int = 0
+    quantum: int = 1
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
-        quantum = max(1, batch_size // self.grid) if self.grid else 1
-        return capped_split(batch_size, self.ratios, self.caps, quantum)
+        return capped_split(batch_size, self.ratios, self.caps, self.quantum)
 
     def describe(self) -> str:
         """One line naming the devices and their current shares."""
@@ -161,7 +160,7 @@ class ParallelModel:
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
-                     b.options.grid if b.options.auto else 0)
+                     b.quantum)
 
 
 def _is_parallel_model(model) -> bool:
