@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Device", "assign_cores", "cuda_device_count", "parse_devices", "usable_cores"]
+__all__ = ["Device", "assign_cores", "cuda_device_count", "driver_gpu_count", "parse_devices", "usable_cores"]
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@]+))?$")
 _MAX_AUTO_CPU_DEVICES = 8
@@ -64,7 +64,10 @@ class Device:
 
 
 def cuda_device_count() -> int:
-    """Number of visible CUDA GPUs (0 when torch has no CUDA)."""
+    """Number of visible CUDA GPUs: torch's count on the torch backend (0 when torch has no CUDA); on JAX,
+    the NVIDIA driver's (JAX may not compute before a rank joins the run, so it cannot be asked)."""
+    if (os.environ.get("KERAS_BACKEND") or "torch") == "jax":
+        return driver_gpu_count()
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
@@ -73,6 +76,24 @@ def cuda_device_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
+
+
+def driver_gpu_count(root: str = "/proc/driver/nvidia/gpus") -> int:
+    """GPUs the NVIDIA driver lists under ``root``, narrowed by ``CUDA_VISIBLE_DEVICES`` when it is set."""
+    try:
+        found = len(os.listdir(root))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    count = 0
+    for entry in visible.split(","):  # CUDA stops at the first entry it cannot use
+        item = entry.strip()
+        if not (item.isdigit() and int(item) < found):
+            break
+        count += 1
+    return count
 
 
 def usable_cores() -> list[int]:

@@ -59,3 +59,29 @@ def test_more_cpu_devices_than_cores_share_with_a_warning():
     with pytest.warns(UserWarning, match="share 2 cores"):
         devs = assign_cores(parse_devices(["cpu:0", "cpu:1", "cpu:2"], num_gpus=0), cores=[0, 1])
     assert [d.cores for d in devs] == [(0,), (1,), (0,)]
+
+
+def test_gpus_for_jax_come_from_the_driver_narrowed_by_cuda_visible_devices(tmp_path, monkeypatch):
+    """On JAX the GPU count cannot come from JAX before a rank joins: the driver's list, as CUDA narrows it."""
+    from multigpu.devices import driver_gpu_count
+
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (tmp_path / bus).mkdir()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert driver_gpu_count(str(tmp_path)) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert driver_gpu_count(str(tmp_path)) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,7,0")  # CUDA stops at the first device it cannot use
+    assert driver_gpu_count(str(tmp_path)) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert driver_gpu_count(str(tmp_path)) == 0
+    assert driver_gpu_count(str(tmp_path / "missing")) == 0
+
+
+def test_a_gpu_device_on_a_jax_without_gpus_fails_naming_the_version():
+    from multigpu.backend.jax.group import check_platform
+
+    check_platform(Device("cuda", 0), "gpu", "0.10.2")
+    check_platform(Device("cpu", 1), "cpu", "0.10.2")
+    with pytest.raises(RuntimeError, match=r"'cuda:1' is a GPU, but jax 0.10.2 found no GPU.*jax\[cuda12\]"):
+        check_platform(Device("cuda", 1), "cpu", "0.10.2")

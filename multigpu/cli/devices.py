@@ -29,6 +29,19 @@ def _meminfo() -> tuple[int, int]:
     return total, free
 
 
+def _driver_gpu_name(index: int, root: str = "/proc/driver/nvidia/gpus") -> str:
+    """The model the NVIDIA driver reports for its ``index``-th GPU, or ``"NVIDIA GPU"``."""
+    try:
+        folder = sorted(os.listdir(root))[index]
+        with open(os.path.join(root, folder, "information")) as f:
+            for line in f:
+                if line.startswith("Model:"):
+                    return line.split(":", 1)[1].strip()
+    except (OSError, IndexError):
+        pass
+    return "NVIDIA GPU"
+
+
 def collect() -> dict:
     """Everything ``multigpu devices`` reports, as a dict."""
     import torch
@@ -38,6 +51,9 @@ def collect() -> dict:
 
     rows = []
     for i in range(cuda_device_count()):
+        if not torch.cuda.is_available():  # JAX's GPUs beside a CPU build of torch: the driver's name only
+            rows.append({"device": f"cuda:{i}", "name": _driver_gpu_name(i)})
+            continue
         prop = torch.cuda.get_device_properties(i)
         free, total = torch.cuda.mem_get_info(i)
         rows.append({

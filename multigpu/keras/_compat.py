@@ -16,6 +16,8 @@ import keras
 __all__ = [
     "TESTED",
     "DataAdapter",
+    "batchnorm_axes",
+    "batchnorm_moments",
     "call_has_training_arg",
     "check",
     "class_weight_to_sample_weights",
@@ -25,6 +27,7 @@ __all__ = [
     "loss_tracker",
     "named_results",
     "optimizer_variables",
+    "replace_batchnorm_moments",
     "seed_variables",
     "silence_backup_saving",
 ]
@@ -60,6 +63,8 @@ def check() -> None:
     missing += [f"Model.{a}" for a in model_attrs if not hasattr(keras.Model, a)]
     optimizer_attrs = ("apply", "_trainable_variables")
     missing += [f"Optimizer.{a}" for a in optimizer_attrs[:1] if not hasattr(keras.optimizers.Optimizer, a)]
+    if not hasattr(keras.layers.BatchNormalization, "_moments"):
+        missing.append("BatchNormalization._moments")
     if not hasattr(keras.callbacks.BackupAndRestore, "_save_model"):
         missing.append("BackupAndRestore._save_model")
     if missing:
@@ -145,6 +150,21 @@ def call_has_training_arg(model) -> bool:
 def flatten_layers(model) -> list:
     """Every layer nested in ``model`` (``Layer._flatten_layers``)."""
     return list(model._flatten_layers(include_self=False))
+
+
+def batchnorm_moments(layer):
+    """The ``(inputs, mask) -> (mean, variance)`` a ``BatchNormalization`` layer trains with (``_moments``)."""
+    return layer._moments
+
+
+def batchnorm_axes(layer) -> list[int]:
+    """The axes a ``BatchNormalization`` layer reduces over (``_reduction_axes``, set when it is built)."""
+    return list(layer._reduction_axes)
+
+
+def replace_batchnorm_moments(layer, moments) -> None:
+    """Makes ``layer`` train with ``moments(inputs, mask) -> (mean, variance)`` instead of its own."""
+    object.__setattr__(layer, "_moments", moments)
 
 
 def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight):

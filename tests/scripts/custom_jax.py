@@ -4,6 +4,8 @@ results to an .npz file.
 
     KERAS_BACKEND=jax python custom_jax.py OUT.npz --plain          # no multigpu
     KERAS_BACKEND=jax multigpu run --devices cpu:0,cpu:1 --ratios 3,1 custom_jax.py OUT.npz
+
+With ``--sync-bn`` the model has a BatchNormalization layer and runs with ``sync_batchnorm=True``.
 """
 
 import argparse
@@ -63,6 +65,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--plain", action="store_true")
     p.add_argument("--rows", type=int, default=193)
+    p.add_argument("--sync-bn", action="store_true", help="a BatchNormalization layer, sync_batchnorm=True")
     a = p.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(a.rows, 8)).astype("float32")
@@ -71,11 +74,14 @@ def main() -> None:
     for name in ("sgd", "adam"):
         keras.utils.set_random_seed(1)
         inputs = keras.Input((8,))
-        model = Guide(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="tanh")(inputs)))
+        hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+        if a.sync_bn:
+            hidden = keras.layers.BatchNormalization()(hidden)
+        model = Guide(inputs, keras.layers.Dense(2)(hidden))
         if not a.plain:
             import multigpu
 
-            model = multigpu.parallelize(model)
+            model = multigpu.parallelize(model, sync_batchnorm=a.sync_bn)
             rank = multigpu.rank()
         model.compile(optimizer=keras.optimizers.SGD(0.05) if name == "sgd" else keras.optimizers.Adam(0.01))
         hist = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)

@@ -20,18 +20,38 @@ import os
 
 from multigpu import env
 
-__all__ = ["bind", "join", "leave"]
+__all__ = ["bind", "check_platform", "coordination_client", "join", "leave"]
 
 _JOINED = False
 
 
 def bind(device) -> None:
-    """Nothing to set on JAX: XLA's CPU threads follow the process's cores (set by the runtime)."""
+    """Makes this process's JAX use its device alone: its GPU (``jax_cuda_visible_devices``) or the CPU.
+
+    It takes effect only before the process's first JAX computation: the ranks
+    multigpu starts bind as soon as they start.  XLA's CPU threads follow the
+    process's cores (set by the runtime).
+    """
+    import jax
+
+    if _backends_initialized():
+        return  # a single-device run whose script computed already: JAX's own default device
     if device.is_cuda:
+        jax.config.update("jax_cuda_visible_devices", str(device.index))
+    else:
+        jax.config.update("jax_platforms", "cpu")
+
+
+def check_platform(device, platform: str, version: str) -> None:
+    """Raises when JAX's device is not of the kind the run gave this process.
+
+    Raises:
+        RuntimeError: naming the device, what JAX found and its version.
+    """
+    if device.is_cuda and platform != "gpu":
         raise RuntimeError(
-            "multigpu on JAX runs on CPU devices for now; GPUs need the torch backend (KERAS_BACKEND=torch). "
-            f"Received: device {device.spec!r}"
-        )
+            f"device {device.spec!r} is a GPU, but jax {version} found no GPU for it (platform {platform!r}): "
+            "install JAX's CUDA build (pip install 'jax[cuda12]' or 'jax[cuda13]'), or use CPU devices.")
 
 
 def _jax_version() -> str:
@@ -72,6 +92,10 @@ def join(runtime) -> None:
         fail(f"could not join the run through jax.distributed at {address}: {type(exc).__name__}: "
              f"{str(exc).splitlines()[0] if str(exc) else ''}")
     _JOINED = True
+    try:
+        check_platform(runtime.device, jax.local_devices()[0].platform, _jax_version())
+    except RuntimeError as exc:
+        fail(str(exc))
     if runtime.mode == "torchrun":
         _learn_devices(runtime)
 
@@ -109,6 +133,29 @@ def _learn_devices(runtime) -> None:
     specs = [bytes(row).rstrip(b"\0").decode() for row in np.asarray(multihost_utils.process_allgather(mine))]
     runtime.devices = [runtime.device if r == runtime.rank else parse_devices([s], num_gpus=10**6)[0]
                        for r, s in enumerate(specs)]
+
+
+def coordination_client():
+    """The client of ``jax.distributed``'s coordination service (its key-value store), once joined.
+
+    JAX has no public name for it: reached here only (``jax._src.distributed.global_state.client``).
+
+    Raises:
+        RuntimeError: when this process has not joined a run, or this JAX has no such client.
+    """
+    try:
+        from jax._src.distributed import global_state
+    except ImportError as exc:
+        raise RuntimeError(f"multigpu's global BatchNorm statistics on JAX need jax.distributed's key-value store, "
+                           f"which jax {_jax_version()} does not have where expected ({exc}).") from exc
+    client = getattr(global_state, "client", None)
+    missing = [m for m in ("key_value_set_bytes", "blocking_key_value_get_bytes", "key_value_delete")
+               if not hasattr(client, m)]
+    if client is None or missing:
+        raise RuntimeError("multigpu's global BatchNorm statistics on JAX need jax.distributed's key-value store: "
+                           f"{'this process has not joined a run' if client is None else 'missing ' + str(missing)} "
+                           f"(jax {_jax_version()}).")
+    return client
 
 
 def leave(failed: bool) -> None:

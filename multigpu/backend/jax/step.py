@@ -32,7 +32,7 @@ A ``test_step`` of the model's own runs eagerly too, its logs summed alike.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -67,17 +67,11 @@ COMPRESSION = {None: None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def check_supported(model, compression, sync_batchnorm: bool) -> None:
-    """Raises, before any process starts, for what the JAX backend does not have yet.
+    """Raises, before any process starts, for what the JAX backend does not have (nothing, today).
 
-    Raises:
-        NotImplementedError: naming each missing feature and the torch backend, which has it.
+    Kept as the backend's hook for the checks that must run before the ranks start.
     """
-    del compression  # every choice works on JAX (its values are checked by ``parallelize``)
-    if sync_batchnorm:
-        raise NotImplementedError(
-            "multigpu's JAX backend does not support sync_batchnorm=True yet (the torch backend does: "
-            f"KERAS_BACKEND=torch). Received: sync_batchnorm=True for {type(model).__name__}"
-        )
+    del model, compression, sync_batchnorm  # every choice works on JAX (values are checked by ``parallelize``)
 
 
 class JaxSteps:
@@ -98,6 +92,14 @@ class JaxSteps:
         self.balancer = parallel.balancer
         check_supported(model, parallel.options.compression, parallel.options.sync_batchnorm)
         self.half = COMPRESSION[parallel.options.compression]
+        self.exchange = None  # global BatchNorm statistics (``sync_batchnorm=True``): summed inside the step
+        if parallel.options.sync_batchnorm:
+            from multigpu.backend.jax.batchnorm import StatisticsExchange, install_global_moments
+            from multigpu.backend.jax.group import coordination_client
+
+            self.exchange = StatisticsExchange(coordination_client(), self.comm.rank, self.comm.world_size,
+                                               parallel.runtime.timeout)
+            install_global_moments(model, self.exchange)
         cls = type(model)
         self.user_train_step = own_method(cls, "train_step")
         self.user_test_step = own_method(cls, "test_step")
@@ -112,6 +114,7 @@ class JaxSteps:
         self._predict = None
         self.compiles: dict[tuple[str, int], float] = {}  # (function, local rows) -> seconds of its first call
         self._compiled = False  # the step running now compiled a function
+        self._applied = False  # the update function has been compiled (by the first training step)
 
     def methods(self) -> dict:
         """What the model instance gets."""
@@ -204,6 +207,18 @@ class JaxSteps:
         def idle(metrics, tail):
             return pack(jnp.zeros(n_grads, jnp.float32), metrics, tail)
 
+        def idle_exchanging(trainable, non_trainable, metrics, x, weight, tail):
+            """No rows here, but the global BatchNorm statistics' exchanges must run: the forward pass on no rows
+            and its backward (weight 0: the exchange sends zeros, the gradients are zeros)."""
+
+            def forward(trainable, non_trainable):
+                y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+                return weight * sum(jnp.sum(leaf) for leaf in jax.tree.leaves(y_pred)), non_trainable
+
+            (_, non_trainable), grads = jax.value_and_grad(forward, has_aux=True)(trainable, non_trainable)
+            weighted = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
+            return pack(weighted, metrics, tail), non_trainable
+
         def apply(trainable, optimizer, summed):
             grads = _split(summed, trainable_refs)
             trainable, optimizer = model.optimizer.stateless_apply(optimizer, grads, trainable)
@@ -211,6 +226,7 @@ class JaxSteps:
 
         self._local = jax.jit(local, donate_argnums=(1, 2))
         self._idle = jax.jit(idle)
+        self._idle_exchanging = jax.jit(idle_exchanging, donate_argnums=(1,))
         self._apply = jax.jit(apply, donate_argnums=(0, 1))
         self._train = True
 
@@ -239,11 +255,16 @@ class JaxSteps:
         self._compiled = False
         self.timing.begin()
         tail = np.asarray([float(plan.local), *self.timing.vector()], dtype=np.float32)
+        weight = np.float32(plan.weight)
+        if self.exchange is not None:
+            self.exchange.begin_step(plan.weight, plan.local > 0)
         if plan.local > 0:
-            weight = np.float32(plan.weight)
             vector, non_trainable, metrics = self._timed_first(
                 "train", plan.local, lambda: self._local(trainable, non_trainable, metrics, optimizer, x, y,
                                                          sample_weight, weight, tail))
+        elif self.exchange is not None:
+            vector, non_trainable = self._timed_first(
+                "idle", 0, lambda: self._idle_exchanging(trainable, non_trainable, metrics, x, weight, tail))
         else:
             vector = self._timed_first("idle", 0, lambda: self._idle(metrics, tail))
         jax.block_until_ready(vector)  # JAX runs asynchronously: computing is not waiting for the others
@@ -253,6 +274,10 @@ class JaxSteps:
             else:
                 grads, rest = (self.comm.reduce(part, "summing gradients") for part in vector)
                 summed = np.concatenate([grads.astype(np.float32), rest])
+        if self.exchange is not None:
+            self.exchange.end_step()  # every rank is past its exchanges: it took part in the sum
+        if not self._applied:  # the first step compiles the update too: not a measurement of the shares
+            self._applied = self._compiled = True
         trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
         self._record(summed[self._n_grads + self._n_states + 1 :])
         self.timing.end(plan.local)
@@ -288,15 +313,15 @@ class JaxSteps:
             return self._local(trainable, *copies, optimizer, x, y, sample_weight, weight, tail)
 
         began = time.perf_counter()
-        self._timed_first("train", rows, call)
-        self._compiled = False  # the calibration's compilation is the start of training, not a move's
         timed: list[float] = []
-        while True:
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            timed.append(time.perf_counter() - t0)
-            if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
-                break
+        with self.exchange.alone() if self.exchange is not None else nullcontext():  # each rank times itself
+            self._timed_first("train", rows, call)
+            while True:
+                t0 = time.perf_counter()
+                jax.block_until_ready(call())
+                timed.append(time.perf_counter() - t0)
+                if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
+                    break
         return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
 
     # ---------------------------------------------------------- custom training
@@ -317,11 +342,17 @@ class JaxSteps:
                                f"{self.comm.world_size} rows. Received: shares {list(plan.sizes)}")
         self._fresh = None
         self.timing.begin()
+        if self.exchange is not None:
+            self.exchange.begin_step(plan.weight, not idle)
         with self._summed_optimizers(0.0 if idle else plan.weight):
             logs, new_state = self.user_train_step(self.model, state, self._last_batch if idle else data)
-        if idle:
+        if idle and self.exchange is None:
             new_state = (new_state[0], state[1], new_state[2], state[3])
+        elif idle:  # the moving statistics follow the global batch, as on the other ranks
+            new_state = (new_state[0], new_state[1], new_state[2], state[3])
         logs = self._global_logs(logs, new_state[3], 0 if idle else plan.local)
+        if self.exchange is not None:
+            self.exchange.end_step()
         self.timing.end(plan.local)
         return logs, new_state
 

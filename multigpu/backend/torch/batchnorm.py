@@ -11,8 +11,8 @@ up, so the forward pass equals one device's on the whole batch, and the
 backward pass sends each rank's gradient of the statistics to every rank.  For
 that to be exact each rank back-propagates its loss already weighted by its
 share (the training step does, see :mod:`multigpu.backend.torch.step`).
-The layer's private ``_moments`` and ``_reduction_axes`` are reached through
-:mod:`multigpu.keras._compat`'s version check (Keras's own
+The layer's private ``_moments`` and ``_reduction_axes`` are reached only
+through :mod:`multigpu.keras._compat` (Keras's own
 ``synchronized=True`` raises on torch).
 """
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
+from multigpu.keras import _compat
 from multigpu.keras.model_parts import batchnorm_layers, batchnorm_statistics
 
 __all__ = ["average_statistics", "install_global_moments"]
@@ -46,7 +47,7 @@ def average_statistics(model, comm, weight: float) -> None:
 
 
 def _global_moments(layer):
-    local_moments = layer._moments
+    local_moments = _compat.batchnorm_moments(layer)
     warned = []
 
     def moments(inputs, mask):
@@ -60,7 +61,7 @@ def _global_moments(layer):
                 )
             return local_moments(inputs, mask)
         x = inputs
-        axes = list(layer._reduction_axes)
+        axes = _compat.batchnorm_axes(layer)
         count = 1
         for a in axes:
             count *= x.shape[a]
@@ -88,5 +89,5 @@ def install_global_moments(model) -> int:
     """
     layers = batchnorm_layers(model)
     for layer in layers:
-        object.__setattr__(layer, "_moments", _global_moments(layer))
+        _compat.replace_batchnorm_moments(layer, _global_moments(layer))
     return len(layers)
