@@ -17,6 +17,10 @@ step near 2 s), global batch ``--batch``:
 * ``mg2-slow-auto``: the same devices, automatic shares; its first ``--auto-warmup`` steps
   (default 30: calibration, the search's first moves and their compilations, ~6 s each) are
   not timed;
+* ``mg2-syncbn``, ``mg2-slow-auto-syncbn``: ``mg2`` and ``mg2-slow-auto`` with ``sync_batchnorm=True``
+  (the convnet's BatchNormalization layer normalises with the global batch's statistics): what the
+  exchange of statistics through the coordination service costs, and whether automatic shares still
+  find the fast device's share when every step waits inside its forward pass;
 * ``keras-dp-slow``: Keras's ``DataParallel`` on both cores with 1.5 cores' worth of CPU time (the
   same capacity as a full core beside a half one; a quota cannot slow one XLA host device alone);
 * ``keras-dp-procs``, ``keras-dp-procs-slow``: Keras's ``DataParallel`` over two processes (one device
@@ -50,6 +54,9 @@ CONFIGS = {
     "keras-dp": {"mode": "keras-dp", "devices": ["cpu:0", "cpu:1"], "cores": [0, 1]},
     "mg2-slow-equal": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1@0.5"], "ratios": [1, 1]},
     "mg2-slow-auto": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1@0.5"], "ratios": "auto", "warmup": 30},
+    "mg2-syncbn": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "sync_batchnorm": True},
+    "mg2-slow-auto-syncbn": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1@0.5"], "ratios": "auto", "warmup": 30,
+                             "sync_batchnorm": True},
     "keras-dp-slow": {"mode": "keras-dp", "devices": ["cpu:0", "cpu:1"], "cores": [0, 1], "capacity": 1.5},
     "keras-dp-procs": {"mode": "keras-dp-procs", "devices": ["cpu:0", "cpu:1"]},
     "keras-dp-procs-slow": {"mode": "keras-dp-procs", "devices": ["cpu:0", "cpu:1@0.5"]},

@@ -86,7 +86,7 @@ def _fit_run(cfg: dict, spec) -> None:
     model = spec.build(float(cfg.get("width", 1.0)))
     parallel = None
     if mode in ("multigpu", "solo"):
-        kwargs = {"compression": cfg.get("compression")}
+        kwargs = {"compression": cfg.get("compression"), "sync_batchnorm": bool(cfg.get("sync_batchnorm"))}
         if cfg.get("ratios") == "auto":
             kwargs.update(recalibrate=True, profile=str(Path(cfg["out"]).with_suffix(".profile.json")))
         model = multigpu.parallelize(model, devices=cfg["devices"], ratios=cfg.get("ratios"), **kwargs)
