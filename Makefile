@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export KERAS_BACKEND := torch
 
-.PHONY: demo test lint bench keras-suite clean
+.PHONY: demo test lint bench keras-suite keras-suite-jax clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ bench: $(STAMP)
 # Keras's own trainer, callback and saving tests with every model parallelized (an outside check, ~min).
 keras-suite: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS.md
+
+# The same on the JAX backend.
+keras-suite-jax: $(STAMP)
+	KERAS_BACKEND=jax OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS-jax.md
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,6 +1,7 @@
 """Keras's own tests with every model parallelized: an outside check of multigpu.
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python keras_suite/run.py    # or: make keras-suite
+    KERAS_BACKEND=jax ... keras_suite/run.py --write keras_suite/RESULTS-jax.md  # or: make keras-suite-jax
     ... keras_suite/run.py --files trainers/trainer_test.py --write keras_suite/RESULTS.md
 
 Runs test files of the installed Keras (trainers, callbacks and saving by default):
@@ -164,7 +165,8 @@ def markdown(rows: list[tuple[str, str, str]], command: str, seconds: float, dev
     out = [
         "# Keras's own tests with every model parallelized",
         "",
-        f"Command: `{command}` ({seconds / 60:.1f} min). Devices: `{devices}`, torch backend, "
+        f"Command: `{command}` ({seconds / 60:.1f} min). Devices: `{devices}`, "
+        f"{child_env()['KERAS_BACKEND']} backend, "
         "every `keras.Model` passed to `multigpu.parallelize` when compiled.",
         "",
         "*passed*: passes on every rank and trained through multigpu; *not reached*: passes, but "

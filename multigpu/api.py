@@ -168,10 +168,6 @@ def parallelize(
     if transport not in TRANSPORTS:
         raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
                          f"Received: transport={transport!r}")
-    if backend.name() == "jax":
-        from multigpu.backend.jax.step import check_supported
-
-        check_supported(model, compression, sync_batchnorm)
     given = os.environ.get(env.RATIOS) or ratios  # `multigpu run --ratios` wins over the script
     spec = parse_ratios(given)
     planned = _runtime.planned_devices(devices)  # checks that need the device count, before any process starts

@@ -20,7 +20,10 @@ from the data to the weights:
    the whole batch.
 
 A rank with no rows in a step sends zeros and its unchanged metric states.
-With ``compression`` the weighted gradients go in 16 bits, in a collective of
+With ``sync_batchnorm=True`` every BatchNormalization layer sums its
+statistics over ranks inside step 2 (:mod:`.batchnorm`), and a rank with no
+rows runs the forward and backward pass on its empty batch all the same, so
+that it takes part in every exchange.  With ``compression`` the weighted gradients go in 16 bits, in a collective of
 their own beside the float32 rest (as on torch).
 
 A ``train_step`` of the model's own (JAX's stateless style) runs eagerly:
@@ -43,7 +46,7 @@ from multigpu.balancing.timing import StepRecord
 from multigpu.keras import _compat
 from multigpu.keras.model_parts import batch_rows, batchnorm_statistics, optimizers_of, own_method
 
-__all__ = ["JaxSteps", "check_supported"]
+__all__ = ["JaxSteps"]
 
 
 def _flat(values) -> list:
@@ -66,22 +69,11 @@ def _split(vector, like: list, offset: int = 0) -> list:
 COMPRESSION = {None: None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
-def check_supported(model, compression, sync_batchnorm: bool) -> None:
-    """Raises, before any process starts, for what the JAX backend does not have (nothing, today).
-
-    Kept as the backend's hook for the checks that must run before the ranks start.
-    """
-    del model, compression, sync_batchnorm  # every choice works on JAX (values are checked by ``parallelize``)
-
-
 class JaxSteps:
     """The functions of one parallel model on JAX (see the module docstring).
 
     Args:
         parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
-
-    Raises:
-        NotImplementedError: for the choices the JAX backend does not have yet.
     """
 
     def __init__(self, parallel) -> None:
@@ -90,7 +82,6 @@ class JaxSteps:
         self.comm = parallel.comm
         self.timing = parallel.timing
         self.balancer = parallel.balancer
-        check_supported(model, parallel.options.compression, parallel.options.sync_batchnorm)
         self.half = COMPRESSION[parallel.options.compression]
         self.exchange = None  # global BatchNorm statistics (``sync_batchnorm=True``): summed inside the step
         if parallel.options.sync_batchnorm:
