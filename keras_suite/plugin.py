@@ -143,10 +143,10 @@ class Recorder:
 
 
 def _last_line(report) -> str:
-    """The exception line of a failure: ``ValueError: ...``."""
+    """The exception line of a failure: ``ValueError: ...`` (the last of a chain: the one the test ended on)."""
     text = str(report.longrepr)
     errors = [ln[2:].strip() for ln in text.splitlines() if ln.startswith("E ")]
-    for line in errors:
+    for line in reversed(errors):
         if re.match(r"^[A-Za-z_.]+(Error|Exception|Interrupt)\b", line):
             return line
     return errors[0] if errors else text.strip().splitlines()[-1] if text.strip() else "failed"

@@ -47,7 +47,15 @@ _INTERNAL = ("calls Keras's internal `saving_lib` on every rank, so every rank w
              "`model.save`, `save_weights` and `keras.saving.save_model` write once, on rank 0.")
 _UNSEEDED = ("draws its data with NumPy's unseeded global generator, so each rank has different values; "
              "multigpu requires the same data on every rank (it checks lengths, not values).")
+_CORRUPTS = ("writes over the backup file on every rank (to corrupt it); in the folder the ranks share, one "
+             "rank's write can land after the other rank's next backup, or while it reads one (it fails now and "
+             "then, on either backend). A script on several ranks writes a shared file on every rank.")
+_EAGER = ("counts how often Keras traces the model's own `train_step` and allows 2; on JAX multigpu runs a "
+          "`train_step` of the model's own eagerly, once a step (README, \"On JAX\"), so it counts one a batch. "
+          "A limitation of multigpu on JAX.")
 EXPLAINED = {
+    "callbacks/backup_and_restore_test.py::BackupAndRestoreCallbackTest::test_backup_corrupted": _CORRUPTS,
+    "trainers/trainer_test.py::TestTrainer::test_retracing": _EAGER,
     "callbacks/csv_logger_test.py::CSVLoggerTest::test_CSVLogger": _DELETES,
     "callbacks/model_checkpoint_test.py::ModelCheckpointTest::test_model_checkpoint_options": _DELETES,
     "callbacks/model_checkpoint_test.py::ModelCheckpointTest::test_model_checkpoint_loading": _DELETES,
@@ -126,7 +134,14 @@ def parallel_runs(tests: list[str], out: Path, devices: str, timeout: float, log
             finished += 1
         remaining = remaining[finished:]
         if (folder / "resync").exists():  # a test failed on some rank: start again at the next test
-            log(f"  starting again after {(folder / 'resync').read_text().split('::')[-1]} (failed on a rank)")
+            failed_test = (folder / "resync").read_text()
+            if remaining and remaining[0] == failed_test:  # another rank never finished it: it failed all the same
+                reasons = [f"rank {i}: {rank[failed_test]['reason']}" for i, rank in enumerate(ranks)
+                           if failed_test in rank and rank[failed_test]["outcome"] == "failed"]
+                results[failed_test] = {"outcome": "failed", "reached": True, "reason": (
+                    f"{reasons[0] if reasons else 'failed on a rank'}; another rank did not finish the test")}
+                remaining = remaining[1:]
+            log(f"  starting again after {failed_test.split('::')[-1]} (failed on a rank)")
             continue
         if remaining and proc.returncode == 0:
             raise RuntimeError(f"run {attempt} ended well but left {len(remaining)} tests undone:\n"

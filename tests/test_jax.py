@@ -132,11 +132,14 @@ def test_keras_features_on_jax(runner):
     assert runner.leftovers() == []
 
 
-@pytest.mark.parametrize("batchnorm", [[], ["--sync-bn"]], ids=["plain", "sync_batchnorm"])
+@pytest.mark.parametrize("batchnorm", [[], ["--sync-bn"], ["--rows", "9", "--batch", "1"]],
+                         ids=["plain", "sync_batchnorm", "one_row_batches"])
 def test_a_custom_jax_train_step_matches_one_device(runner, batchnorm):
     """keras.io's JAX train_step and test_step (stateless_apply, metrics' stateless updates, an extra scalar
     log), 3:1, with a last step where rank 1 has no rows: weights, logs and evaluate as on one device; with
-    ``--sync-bn``, a BatchNormalization layer with global statistics (its moving statistics are weights too)."""
+    ``--sync-bn``, a BatchNormalization layer with global statistics (its moving statistics are weights too);
+    with batches of one row, rank 1 has no rows in any step, the first included (it runs the steps on a
+    stand-in row of zeros with weight 0)."""
     folder = runner.tmp_path
     _plain("custom_jax.py", str(folder / "plain.npz"), "--plain", *batchnorm, cwd=folder)
     res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "custom_jax.py"),

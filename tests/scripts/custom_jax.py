@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--plain", action="store_true")
     p.add_argument("--rows", type=int, default=193)
+    p.add_argument("--batch", type=int, default=64, help="global batch of fit and evaluate")
     p.add_argument("--sync-bn", action="store_true", help="a BatchNormalization layer, sync_batchnorm=True")
     a = p.parse_args()
     rng = np.random.default_rng(0)
@@ -84,8 +85,8 @@ def main() -> None:
             model = multigpu.parallelize(model, sync_batchnorm=a.sync_bn)
             rank = multigpu.rank()
         model.compile(optimizer=keras.optimizers.SGD(0.05) if name == "sgd" else keras.optimizers.Adam(0.01))
-        hist = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-        arrays[f"{name}.evaluate"] = json.dumps(model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True))
+        hist = model.fit(x, y, batch_size=a.batch, epochs=2, shuffle=False, verbose=0)
+        arrays[f"{name}.evaluate"] = json.dumps(model.evaluate(x, y, batch_size=a.batch, verbose=0, return_dict=True))
         for i, w in enumerate(model.get_weights()):
             arrays[f"{name}.w{i}"] = w
         arrays[f"{name}.history"] = json.dumps(hist.history)

@@ -69,6 +69,12 @@ def _split(vector, like: list, offset: int = 0) -> list:
 COMPRESSION = {None: None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
+def _one_row_of_zeros(data):
+    """A stand-in batch of one row of zeros, shaped and typed as ``data`` (a batch with no rows)."""
+    return keras.tree.map_structure(
+        lambda a: None if a is None else jnp.zeros((1, *np.shape(a)[1:]), getattr(a, "dtype", np.float32)), data)
+
+
 class JaxSteps:
     """The functions of one parallel model on JAX (see the module docstring).
 
@@ -320,17 +326,16 @@ class JaxSteps:
         """A ``train_step`` of the model's own, run eagerly: each ``optimizer.stateless_apply`` it calls
         applies the gradients times ``b_r / B`` summed over ranks.
 
-        A rank with no rows runs the step on its last batch with gradient
-        weight 0 (so that it makes the same optimizer calls as the others),
-        and keeps its non-trainable and metric states as they were.
+        A rank with no rows runs the step on its last batch (before its first
+        rows, on one row of zeros) with gradient weight 0, so that it makes the
+        same optimizer calls as the others; it sends zeros and keeps its
+        non-trainable and metric states as they were.
         """
         idle = plan.local == 0
         if not idle:
             self._last_batch = data
         elif self._last_batch is None:
-            raise RuntimeError("multigpu: this rank has no rows in the first training step, so it cannot run the "
-                               "model's own train_step alongside the others; use a global batch of at least "
-                               f"{self.comm.world_size} rows. Received: shares {list(plan.sizes)}")
+            self._last_batch = _one_row_of_zeros(data)
         self._fresh = None
         self.timing.begin()
         if self.exchange is not None:
@@ -359,7 +364,10 @@ class JaxSteps:
             original = optimizer.stateless_apply
 
             def summed_apply(optimizer_variables, grads, trainable_variables, _original=original):
-                flat = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
+                if weight == 0:  # no rows here: zeros, whatever the step computed on its stand-in batch (NaN)
+                    flat = jnp.zeros(sum(int(np.prod(g.shape)) for g in grads), jnp.float32)
+                else:
+                    flat = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
                 flat = jax.block_until_ready(flat if self.half is None else flat.astype(self.half))
                 with self.timing.waiting():
                     summed = self.comm.reduce(flat, "summing gradients").astype(np.float32, copy=False)
@@ -451,15 +459,14 @@ class JaxSteps:
     def _custom_test(self, state, data, rows: int):
         """A ``test_step`` of the model's own, run eagerly; its logs summed over ranks.
 
-        A rank with no rows runs it on its last batch (so that it logs the same
-        names as the others) and keeps its states as they were.
+        A rank with no rows runs it on its last batch (before its first rows,
+        on one row of zeros), so that it logs the same names as the others, and
+        keeps its states as they were.
         """
         if rows > 0:
             self._last_test_batch = data
         elif self._last_test_batch is None:
-            raise RuntimeError("multigpu: this rank has no rows in the first evaluation step, so it cannot run the "
-                               "model's own test_step alongside the others; use a batch of at least "
-                               f"{self.comm.world_size} rows. Received: {rows} rows here")
+            self._last_test_batch = _one_row_of_zeros(data)
         logs, new_state = self.user_test_step(self.model, state, data if rows > 0 else self._last_test_batch)
         if rows == 0:
             new_state = state
