@@ -247,7 +247,8 @@ def main() -> int:
         involved = [t for t, r in plain.items() if r["outcome"] == "passed" and r["reached"]]
         parallel = parallel_runs(involved, out, a.devices, a.timeout, log)
     rows = classify(plain, parallel)
-    command = "make keras-suite" if a.write else " ".join(["keras_suite/run.py", *sys.argv[1:]])
+    suite = "make keras-suite" + ("-jax" if child_env()["KERAS_BACKEND"] == "jax" else "")
+    command = suite if a.write else " ".join(["keras_suite/run.py", *sys.argv[1:]])
     report = markdown(rows, command, time.monotonic() - start, a.devices)
     print(report)
     if a.write:

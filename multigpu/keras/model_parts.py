@@ -5,16 +5,21 @@
 * :func:`optimizers_of`: the optimizers a model's steps may call (``model.optimizer`` and any other
   optimizer attribute, as a GAN has);
 * :func:`batchnorm_layers`: every ``BatchNormalization`` layer, nested ones included;
-* :func:`batchnorm_statistics`: their moving statistics, once each.
+* :func:`batchnorm_statistics`: their moving statistics, once each;
+* :func:`use_global_batchnorm`: every such layer trains with statistics a backend computes over ranks.
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
 
 import keras
 
 from multigpu.keras import _compat
 
-__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "optimizers_of", "own_method"]
+__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "optimizers_of", "own_method",
+           "use_global_batchnorm"]
 
 
 def batch_rows(x) -> int:
@@ -54,3 +59,39 @@ def batchnorm_statistics(model) -> list:
                 seen.add(id(v))
                 variables.append(v)
     return variables
+
+
+def use_global_batchnorm(model, global_moments: Callable[[object, int], Callable]) -> int:
+    """Makes every ``BatchNormalization`` layer of ``model`` train with the global batch's statistics.
+
+    Args:
+        model: the model.
+        global_moments: ``(layer, index) -> moments``, where ``moments(inputs)`` returns the mean and
+            variance over every rank's rows (the backend's collective); ``index`` is the layer's place
+            in :func:`batchnorm_layers`, the same on every rank.
+
+    A layer called with a mask, or with ``renorm``, keeps its own statistics (with a warning, once).
+
+    Returns:
+        The number of layers changed.
+    """
+    layers = batchnorm_layers(model)
+    for index, layer in enumerate(layers):
+        _compat.replace_batchnorm_moments(layer, _or_local(layer, global_moments(layer, index)))
+    return len(layers)
+
+
+def _or_local(layer, moments):
+    local_moments = _compat.batchnorm_moments(layer)
+    warned = []
+
+    def either(inputs, mask):
+        if mask is None and not getattr(layer, "renorm", False):
+            return moments(inputs)
+        if not warned:
+            warned.append(True)
+            warnings.warn(f"sync_batchnorm: layer {layer.name!r} has a mask or renorm; it uses each device's own "
+                          "statistics.", stacklevel=2)
+        return local_moments(inputs, mask)
+
+    return either

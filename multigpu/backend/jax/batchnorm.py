@@ -39,7 +39,6 @@ rank has read them by then).
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 
 import jax
@@ -48,7 +47,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from multigpu.keras import _compat
-from multigpu.keras.model_parts import batchnorm_layers
+from multigpu.keras.model_parts import use_global_batchnorm
 
 __all__ = ["StatisticsExchange", "install_global_moments"]
 
@@ -152,37 +151,33 @@ class StatisticsExchange:
         return allsum
 
 
-def _global_moments(layer, allsum):
-    local_moments = _compat.batchnorm_moments(layer)
-    warned = []
+def _global_moments(exchange: StatisticsExchange):
+    def for_layer(layer, index: int):
+        allsum = exchange.summed(str(index))
 
-    def moments(inputs, mask):
-        if mask is not None or getattr(layer, "renorm", False):
-            if not warned:
-                warned.append(True)
-                warnings.warn(f"sync_batchnorm: layer {layer.name!r} has a mask or renorm; it uses each device's "
-                              "own statistics.", stacklevel=2)
-            return local_moments(inputs, mask)
-        axes = tuple(_compat.batchnorm_axes(layer))
-        x = inputs.astype(jnp.float32)
-        shift = jax.lax.stop_gradient(jnp.asarray(layer.moving_mean.value, jnp.float32))
-        shift = jnp.reshape(shift, [1 if a in axes else x.shape[a] for a in range(x.ndim)])
-        centred = x - shift
-        rows = 1
-        for a in axes:
-            rows *= x.shape[a]
-        total = jnp.sum(centred, axis=axes)
-        squares = jnp.sum(centred * centred, axis=axes)
-        n = total.size
-        packed = allsum(jnp.concatenate([total.reshape(-1), squares.reshape(-1),
-                                         jnp.full((1,), rows, jnp.float32)]))
-        count = packed[-1]
-        shifted_mean = packed[:n].reshape(total.shape) / count
-        variance = packed[n : 2 * n].reshape(total.shape) / count - shifted_mean * shifted_mean
-        mean = shifted_mean + jnp.squeeze(shift, axes)
-        return mean.astype(inputs.dtype), jnp.maximum(variance, 0.0).astype(inputs.dtype)
+        def moments(inputs):
+            axes = tuple(_compat.batchnorm_axes(layer))
+            x = inputs.astype(jnp.float32)
+            shift = jax.lax.stop_gradient(jnp.asarray(layer.moving_mean.value, jnp.float32))
+            shift = jnp.reshape(shift, [1 if a in axes else x.shape[a] for a in range(x.ndim)])
+            centred = x - shift
+            rows = 1
+            for a in axes:
+                rows *= x.shape[a]
+            total = jnp.sum(centred, axis=axes)
+            squares = jnp.sum(centred * centred, axis=axes)
+            n = total.size
+            packed = allsum(jnp.concatenate([total.reshape(-1), squares.reshape(-1),
+                                             jnp.full((1,), rows, jnp.float32)]))
+            count = packed[-1]
+            shifted_mean = packed[:n].reshape(total.shape) / count
+            variance = packed[n : 2 * n].reshape(total.shape) / count - shifted_mean * shifted_mean
+            mean = shifted_mean + jnp.squeeze(shift, axes)
+            return mean.astype(inputs.dtype), jnp.maximum(variance, 0.0).astype(inputs.dtype)
 
-    return moments
+        return moments
+
+    return for_layer
 
 
 def install_global_moments(model, exchange: StatisticsExchange) -> int:
@@ -191,7 +186,4 @@ def install_global_moments(model, exchange: StatisticsExchange) -> int:
     Returns:
         The number of layers changed.
     """
-    layers = batchnorm_layers(model)
-    for index, layer in enumerate(layers):
-        _compat.replace_batchnorm_moments(layer, _global_moments(layer, exchange.summed(f"{index}")))
-    return len(layers)
+    return use_global_batchnorm(model, _global_moments(exchange))

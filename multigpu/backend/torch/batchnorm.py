@@ -18,14 +18,12 @@ through :mod:`multigpu.keras._compat` (Keras's own
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from multigpu.keras import _compat
-from multigpu.keras.model_parts import batchnorm_layers, batchnorm_statistics
+from multigpu.keras.model_parts import batchnorm_statistics, use_global_batchnorm
 
 __all__ = ["average_statistics", "install_global_moments"]
 
@@ -46,21 +44,10 @@ def average_statistics(model, comm, weight: float) -> None:
             offset += t.numel()
 
 
-def _global_moments(layer):
-    local_moments = _compat.batchnorm_moments(layer)
-    warned = []
+def _global_moments(layer, index: int):
+    del index  # torch's collectives pair calls by their order, the same on every rank
 
-    def moments(inputs, mask):
-        if mask is not None or getattr(layer, "renorm", False):
-            if not warned:
-                warned.append(True)
-                warnings.warn(
-                    f"sync_batchnorm: layer {layer.name!r} has a mask or renorm; it uses "
-                    "each device's own statistics.",
-                    stacklevel=2,
-                )
-            return local_moments(inputs, mask)
-        x = inputs
+    def moments(x):
         axes = _compat.batchnorm_axes(layer)
         count = 1
         for a in axes:
@@ -87,7 +74,4 @@ def install_global_moments(model) -> int:
     Returns:
         The number of layers changed.
     """
-    layers = batchnorm_layers(model)
-    for layer in layers:
-        _compat.replace_batchnorm_moments(layer, _global_moments(layer))
-    return len(layers)
+    return use_global_batchnorm(model, _global_moments)
