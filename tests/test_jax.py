@@ -90,9 +90,9 @@ def test_compression_on_jax_sends_16_bits_and_stays_close(runner, reference):
 
 def test_keras_features_on_jax(runner):
     folder = runner.tmp_path
-    _plain("keras_features.py", "two_output,sync_bn", str(folder / "plain"), "--plain", cwd=folder)
+    _plain("keras_features.py", "two_output,sync_bn,shared_bn", str(folder / "plain"), "--plain", cwd=folder)
     res = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "keras_features.py"),
-                     "two_input,two_output,sync_bn", str(folder / "par"), "--steps-per-execution", "3",
+                     "two_input,two_output,sync_bn,shared_bn", str(folder / "par"), "--steps-per-execution", "3",
                      extra_env=ON_JAX, timeout=180)
     assert res.returncode == 0, res.stdout
     plain = load_features(folder / "plain-two_output.npz")
@@ -116,12 +116,14 @@ def test_keras_features_on_jax(runner):
     assert ".keras" in t0["save_error"][0] and t0["save_error"] == t1["save_error"]
     assert res.stdout.count("multigpu: 2 device(s): CPU:0 75%, CPU:1 25%") == 1
     # sync_batchnorm=True: statistics of the whole global batch (3:1; the last batch of each epoch has one row,
-    # so rank 1 has none and only exchanges zeros), as one device computes them.
-    plain, r0, r1 = (load_features(folder / f) for f in ("plain-sync_bn.npz", "par-sync_bn.npz",
-                                                          "par-sync_bn.npz.rank1.npz"))
-    assert rel(plain["weights"], r0["weights"]) < 1e-5
-    np.testing.assert_allclose(r0["history"]["loss"], plain["history"]["loss"], rtol=1e-5)
-    np.testing.assert_array_equal(r0["weights"], r1["weights"])
+    # so rank 1 has none and only exchanges zeros), as one device computes them; with one layer applied in two
+    # parallel branches too (the exchanges pair in program order, the same on every rank).
+    for mode in ("sync_bn", "shared_bn"):
+        plain, r0, r1 = (load_features(folder / f) for f in (f"plain-{mode}.npz", f"par-{mode}.npz",
+                                                              f"par-{mode}.npz.rank1.npz"))
+        assert rel(plain["weights"], r0["weights"]) < 1e-5, mode
+        np.testing.assert_allclose(r0["history"]["loss"], plain["history"]["loss"], rtol=1e-5)
+        np.testing.assert_array_equal(r0["weights"], r1["weights"])
     # The best checkpoint is a plain Keras file that a process without multigpu loads.
     code = ("import sys, keras\n"
             f"keras.saving.load_model({str(folder / 'best.keras')!r})\n"

@@ -13,7 +13,7 @@ from tests.conftest import SCRIPTS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
-COMPARED = "two_output,sync_bn,inputs"
+COMPARED = "two_output,sync_bn,shared_bn,inputs"
 
 
 def load(path):
@@ -63,8 +63,10 @@ def test_two_outputs_sample_weight_evaluate_and_predict_match_one_device(runs):
         np.testing.assert_array_equal(r0[key], r1[key])
 
 
-def test_sync_batchnorm_reproduces_one_device(runs):
-    plain, r0, r1 = pair(runs[0], "sync_bn")
+@pytest.mark.parametrize("mode", ["sync_bn", "shared_bn"])
+def test_sync_batchnorm_reproduces_one_device(runs, mode):
+    """Two BatchNorm layers; one layer applied in two parallel branches (its collectives pair by order)."""
+    plain, r0, r1 = pair(runs[0], mode)
     assert rel(plain["weights"], r0["weights"]) < 1e-5
     np.testing.assert_allclose(r0["history"]["loss"], plain["history"]["loss"], rtol=1e-5)
     np.testing.assert_array_equal(r0["weights"], r1["weights"])

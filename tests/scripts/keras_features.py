@@ -10,6 +10,7 @@ Modes:
   two_output  two outputs, per-output losses/metrics, sample_weight; then
               evaluate and predict (with --steps-per-execution N: N batches a call)
   sync_bn     BatchNorm model, sync_batchnorm=True (exact against one device)
+  shared_bn   one BatchNorm layer applied in two parallel branches, sync_batchnorm=True
   inputs      the same training fed as a PyDataset, a generator and a DataLoader
 """
 
@@ -132,6 +133,21 @@ def sync_bn(a):
     save(a, rank, history=hist.history, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
 
 
+def shared_bn(a):
+    keras.utils.set_random_seed(7)
+    i1, i2 = keras.Input((5,)), keras.Input((5,))
+    bn, dense = keras.layers.BatchNormalization(), keras.layers.Dense(5)
+    h = keras.layers.Concatenate()([bn(dense(i1)), bn(dense(i2))])
+    model, rank = parallel(keras.Model([i1, i2], keras.layers.Dense(1)(h)), a,
+                           **({} if a.plain else {"sync_batchnorm": True}))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.default_rng(0)
+    x1, x2 = rng.normal(size=(97, 5)).astype("float32"), (rng.normal(size=(97, 5)) * 3 + 1).astype("float32")
+    y = (x1.sum(1) - x2[:, 0]).reshape(-1, 1).astype("float32")
+    hist = model.fit([x1, x2], y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    save(a, rank, history=hist.history, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
+
+
 class Batches(keras.utils.PyDataset):
     def __init__(self, x, y, batch):
         super().__init__()
@@ -173,7 +189,8 @@ def inputs(a):
     save(a, rank, **results)
 
 
-MODES = {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "inputs": inputs}
+MODES = {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "shared_bn": shared_bn,
+         "inputs": inputs}
 
 
 def main():
