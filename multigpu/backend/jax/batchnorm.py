@@ -74,7 +74,7 @@ class StatisticsExchange:
         self.contributes = True  # False on a rank with no rows (a custom step runs on its last batch)
         self.solo = False  # calibration: this rank's own statistics, no exchange
         self._counts: dict[str, int] = {}
-        self.exchanges = 0  # vectors exchanged since the start (for the log and the tests)
+        self.exchanges = 0  # vectors exchanged since the start
 
     # ---------------------------------------------------------- per step
     def begin_step(self, weight: float, contributes: bool) -> None:

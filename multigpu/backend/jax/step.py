@@ -225,6 +225,7 @@ class JaxSteps:
         self._idle = jax.jit(idle)
         self._idle_exchanging = jax.jit(idle_exchanging, donate_argnums=(1,))
         self._apply = jax.jit(apply, donate_argnums=(0, 1))
+        self._applied = False
         self._train = True
 
     def _results(self, summed, metric_refs: list, offset: int) -> dict:
