@@ -133,7 +133,8 @@ def parallelize(
         max_batch: the largest local batch each device can hold (``None``
             for no limit); the excess goes to devices with room.
         report: print, at the end of each epoch, where each device's time
-            went (data, compute, waiting).
+            went (waiting for input, Keras's loop, computing, waiting for
+            the other devices).
         compression: ``None`` (exact, default), ``"bf16"`` or ``"fp16"``:
             send gradients in 16 bits (half the bytes; the weighting by share
             stays exact, the sum is rounded).

@@ -1,6 +1,7 @@
 """The load balancer in one process: the one owner of the shares, fed shared step records."""
 
 import json
+import time
 
 import pytest
 
@@ -112,17 +113,30 @@ def test_it_says_once_when_the_devices_together_are_slower_than_the_fastest_alon
 
 def test_step_timing_reports_the_previous_step_in_its_slots():
     t = StepTiming(rank=1, world_size=2)
-    assert t.vector() == [0.0] * 8
+    assert t.vector() == [0.0] * 10
     t.begin()
     with t.waiting():
         pass
     t.end(samples=16)
     vec = t.vector()
-    assert vec[1] > 0 and vec[0] == 0.0 and vec[7] == 16.0  # wall, step, compute, samples: rank 1's slots
-    assert t.vector() == [0.0] * 8  # sent once
-    rec = StepRecord.from_vector([0.2, 0.3, 0.2, 0.3, 0.1, 0.2, 48, 16], 2)
-    assert rec.samples == (48, 16) and rec.compute == (0.1, 0.2)
-    assert StepRecord.from_vector([0.0] * 8, 2) is None
+    assert vec[1] > 0 and vec[0] == 0.0 and vec[7] == 16.0  # wall, step, compute, samples, input: rank 1's slots
+    assert t.vector() == [0.0] * 10  # sent once
+    rec = StepRecord.from_vector([0.2, 0.3, 0.2, 0.3, 0.1, 0.2, 48, 16, 0.05, 0.0], 2)
+    assert rec.samples == (48, 16) and rec.compute == (0.1, 0.2) and rec.input == (0.05, 0.0)
+    assert StepRecord.from_vector([0.0] * 10, 2) is None
+
+
+def test_the_input_wait_is_the_time_between_steps_spent_waiting_for_the_batch():
+    t = StepTiming(rank=0, world_size=1)
+    t.begin()
+    t.end(samples=8)
+    t.vector()
+    time.sleep(0.05)
+    t.note_input(0.03)  # the loop waited 30 ms of the 50 ms between the steps for its batch
+    t.begin()
+    t.end(samples=8)
+    wall, step, _, _, waited = t.vector()
+    assert waited == pytest.approx(0.03) and wall - step >= 0.05
 
 
 def test_a_discarded_step_is_no_measurement_for_any_rank():
@@ -132,8 +146,8 @@ def test_a_discarded_step_is_no_measurement_for_any_rank():
     t.end(samples=48)
     t.discard()
     mine = t.vector()
-    assert mine == [0.0] * 8
-    other = [0.0, 0.3, 0.0, 0.3, 0.0, 0.2, 0.0, 16.0]  # rank 1 measured its step
+    assert mine == [0.0] * 10
+    other = [0.0, 0.3, 0.0, 0.3, 0.0, 0.2, 0.0, 16.0, 0.0, 0.0]  # rank 1 measured its step
     summed = [a + b for a, b in zip(mine, other)]
     assert StepRecord.from_vector(summed, 2, complete=True) is None
     assert StepRecord.from_vector(summed, 2).samples == (0, 16)  # without `complete`, the torch path's reading
@@ -172,3 +186,19 @@ def test_a_scan_point_far_from_the_best_is_no_reason_to_say_the_devices_do_not_p
     feed(b, (1000, 500), 400, batch=256, overhead=0.002)
     assert any("scanning" in line for line in lines), lines
     assert not any("less than CPU:0 alone" in line for line in lines), lines
+
+
+def test_waiting_for_input_is_reported_per_device_and_said_once_when_it_holds_the_run_back():
+    b, lines = make("1,1", rebalance=False, report=True)
+    b.begin_fit(128, lambda: "sig")
+    for _ in range(4):  # 0.1 s between steps, 0.06 s of it waiting for the batch on rank 0
+        b.record(StepRecord((0.2, 0.2), (0.1, 0.1), (0.1, 0.1), (64, 64), (0.06, 0.0)))
+    report = b.end_epoch(0)
+    assert [round(r["input"], 2) for r in report["devices"]] == [0.24, 0.0]
+    assert "input" in lines[0] and "30%" in lines[0].splitlines()[2]  # the table: CPU:0 waited 30% for input
+    assert [ln for ln in lines if "the input holds the run back" in ln] == [
+        lines[1]] and "CPU:0 30%, CPU:1@0.5 0%" in lines[1]
+    for _ in range(4):
+        b.record(StepRecord((0.2, 0.2), (0.1, 0.1), (0.1, 0.1), (64, 64), (0.06, 0.0)))
+    b.end_epoch(1)
+    assert sum("the input holds the run back" in ln for ln in lines) == 1  # said once

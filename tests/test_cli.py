@@ -19,7 +19,7 @@ def test_bench_prints_per_device_rates_baselines_and_breakdown(runner):
     assert re.search(r"^CPU:1\[8\] \d+ sps$", res.stdout, re.M)
     assert re.search(r"^Total:\[32\] \d+ sps$", res.stdout, re.M)
     assert re.search(r"balance efficiency: \d\.\d{3}", res.stdout)
-    assert re.search(r"CPU:1 +data +\d+%  compute +\d+%  waiting +\d+%", res.stdout)
+    assert re.search(r"CPU:1 +input +\d+%  loop +\d+%  compute +\d+%  waiting +\d+%", res.stdout)
     assert re.search(r"baseline single .*multigpu is \d+\.\d\dx", res.stdout)
     assert re.search(r"baseline ddp .*multigpu is \d+\.\d\dx", res.stdout)
     summary = json.loads((runner.tmp_path / "bench.json").read_text())

@@ -1,12 +1,19 @@
 """Each rank's share of every global batch, for every input form (in one process, one planner per rank)."""
 
+import glob
+import os
+import uuid
+
 import keras
 import numpy as np
 import pytest
 import torch
 
-from multigpu.keras.data import ShardedData, input_kind, num_rows, validation_split
-from multigpu.keras.sources import source_for
+from multigpu.data.exchange import directory
+from multigpu.data.forms import input_kind, num_rows, validation_split
+from multigpu.data.host import Host
+from multigpu.data.sources import source_for
+from multigpu.keras.data import ShardedData
 from multigpu.planning import StepPlanner, split
 
 RATIOS = [3.0, 1.0]
@@ -14,6 +21,16 @@ RATIOS = [3.0, 1.0]
 
 def planners(ratios=RATIOS):
     return [StepPlanner(lambda total: split(total, ratios), rank) for rank in range(len(ratios))]
+
+
+def hosts(n=2, run=None):
+    """``n`` ranks of one machine, as one process plays them (their files named apart from any other test's)."""
+    run = run or uuid.uuid4().hex[:8]
+    return [Host(r, f"rank {r}", r, n, 1, run, 7) for r in range(n)]
+
+
+def host():
+    return hosts(1)[0]
 
 
 def batches(data: ShardedData, epoch: int = 0) -> list:
@@ -29,7 +46,7 @@ def batches(data: ShardedData, epoch: int = 0) -> list:
 def test_arrays_every_row_once_per_epoch_in_contiguous_shares(shuffle):
     x = np.arange(70, dtype="float64").reshape(35, 2)
     y = np.arange(35)
-    per_rank = [batches(ShardedData(source_for(x, y, None, 16, shuffle, 7, "fit", r), p, training=True))
+    per_rank = [batches(ShardedData(source_for(x, y, None, 16, shuffle, 7, "fit", host()), p, training=True))
                 for r, p in enumerate(planners())]
     assert len(per_rank[0]) == len(per_rank[1]) == 3  # 16, 16, 3 rows
     rows = []
@@ -46,8 +63,8 @@ def test_arrays_every_row_once_per_epoch_in_contiguous_shares(shuffle):
 
 def test_every_rank_draws_the_same_order_from_the_shared_seed_and_a_new_one_each_epoch():
     x = np.arange(40).reshape(40, 1).astype("float32")
-    a = ShardedData(source_for(x, None, None, 40, True, 3, "fit", 0), planners()[0], training=False)
-    b = ShardedData(source_for(x, None, None, 40, True, 3, "fit", 1), planners()[1], training=False)
+    a = ShardedData(source_for(x, None, None, 40, True, 3, "fit", host()), planners()[0], training=False)
+    b = ShardedData(source_for(x, None, None, 40, True, 3, "fit", host()), planners()[1], training=False)
     first_a, first_b = batches(a, 0), batches(b, 0)
     assert sorted(np.concatenate([first_a[0], first_b[0]]).ravel()) == list(range(40))
     assert not np.array_equal(batches(a, 0)[0], batches(a, 1)[0])
@@ -55,7 +72,7 @@ def test_every_rank_draws_the_same_order_from_the_shared_seed_and_a_new_one_each
 
 def test_training_batches_queue_their_plans_for_the_step_and_a_peek_is_forgotten():
     p0 = planners()[0]
-    data = ShardedData(source_for(np.zeros((20, 1), "float32"), None, None, 8, False, 0, "fit", 0), p0,
+    data = ShardedData(source_for(np.zeros((20, 1), "float32"), None, None, 8, False, 0, "fit", host()), p0,
                        training=True)
     data.set_epoch(0)
     data.on_epoch_begin()
@@ -72,42 +89,143 @@ def test_structures_dicts_and_torch_tensors_are_cut_alike():
     x = {"a": np.ones((10, 3), "float32"), "b": torch.arange(10).reshape(10, 1)}
     y = [np.arange(10), np.arange(10) * 2]
     assert num_rows(x, y) == 10 and input_kind(x) == "arrays"
-    [(xb, yb)] = batches(ShardedData(source_for(x, y, None, 10, False, 0, "fit", 1), planners()[1], training=False))
+    source = source_for(x, y, None, 10, False, 0, "fit", host())
+    [(xb, yb)] = batches(ShardedData(source, planners()[1], training=False))
     assert xb["a"].shape == (2, 3) and list(xb["b"].ravel()) == [8, 9] and list(yb[1]) == [16, 18]
 
 
-def test_pydataset_and_generator_batches_are_cut_by_share():
-    class Batches(keras.utils.PyDataset):
+def lockstep(datas):
+    """Every rank's batches of one pass, taken in turn as the ranks of one machine would."""
+    for d in datas:
+        d.set_epoch(0)
+        d.on_epoch_begin()
+    iterators = [d.get_numpy_iterator() for d in datas]
+    out = [[] for _ in datas]
+    try:
+        while True:
+            for r, it in enumerate(iterators):
+                out[r].append(keras.tree.map_structure(np.asarray, next(it)))
+    except StopIteration:
+        pass
+    for it in iterators:
+        it.close()
+    return out
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, n=5, rows=8, fail_at=None, **kwargs):
+        super().__init__(**kwargs)
+        self.n, self.rows, self.fail_at, self.reads = n, rows, fail_at, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        if i == self.fail_at:
+            raise OSError(f"cannot read batch {i}")
+        rows = np.arange(self.rows * i, self.rows * i + self.rows)
+        return {"x": rows[:, None].astype("float32")}, rows
+
+
+def no_files_left(run):
+    return not glob.glob(os.path.join(directory(), f"multigpu-in-{run}-*"))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_pydataset_batches_are_read_once_per_machine_and_cut_by_share(workers):
+    datasets = [Batches(workers=workers), Batches(workers=workers)]
+    assert input_kind(datasets[0]) == "pydataset"
+    machine = hosts()
+    datas = [ShardedData(source_for(ds, None, None, None, False, 0, "fit", h), p, training=False)
+             for ds, h, p in zip(datasets, machine, planners())]
+    cut = lockstep(datas)
+    assert [list(b[1]) for b in cut[1]] == [[8 * i + 6, 8 * i + 7] for i in range(5)]
+    assert [list(b[1]) for b in cut[0]] == [list(range(8 * i, 8 * i + 6)) for i in range(5)]
+    assert cut[0][0][0]["x"].shape == (6, 1)
+    # the ranks took turns: each global batch was read by one rank only
+    assert sorted(datasets[0].reads + datasets[1].reads) == list(range(5))
+    assert sorted(datasets[0].reads) == [0, 2, 4]
+    assert no_files_left(machine[0].run)
+
+
+def test_a_shuffled_pydataset_gives_every_batch_once_in_the_shared_order():
+    machine = hosts()
+    datas = [ShardedData(source_for(Batches(n=7), None, None, None, True, 3, "fit", h), p, training=False)
+             for h, p in zip(machine, planners())]
+    cut = lockstep(datas)
+    firsts = [int(b[1][0]) // 8 for b in cut[0]]
+    assert sorted(firsts) == list(range(7)) and firsts != list(range(7))
+    assert [int(b[1][0]) // 8 for b in cut[1]] == firsts
+
+
+def test_a_reading_error_reaches_every_rank_naming_the_reader():
+    machine = hosts()
+    datas = [ShardedData(source_for(Batches(fail_at=3), None, None, None, False, 0, "fit", h), p, training=False)
+             for h, p in zip(machine, planners())]
+    with pytest.raises(RuntimeError, match=r"batch 3 of this pass failed on rank 1: OSError: cannot read batch 3"):
+        lockstep(datas)
+    datas[1].close()
+
+
+def test_a_generator_is_read_by_one_rank_and_a_peeked_batch_is_given_again():
+    machine = hosts()
+    made = []
+
+    def gen(tag):
+        for i in range(4):
+            made.append(tag)
+            yield np.full((8, 1), i, "float32"), np.arange(8) + 8 * i
+
+    sources = [source_for(gen(r), None, None, None, False, 0, "fit", h) for r, h in enumerate(machine)]
+    datas = [ShardedData(s, p, training=True) for s, p in zip(sources, planners())]
+    peeks = [next(d.get_numpy_iterator()) for d in datas]  # Keras takes one batch to build the model
+    assert [len(b[1]) for b in peeks] == [6, 2]
+    cut = lockstep(datas)
+    assert [list(b[1]) for b in cut[1]] == [[6, 7], [14, 15], [22, 23], [30, 31]]
+    assert set(made) == {0}  # only local rank 0's generator was read
+    for d in datas:
+        d.close()
+    assert no_files_left(machine[0].run)
+
+
+def test_a_dataloader_loads_only_each_ranks_indices_with_its_workers():
+    class Items(torch.utils.data.Dataset):
         def __len__(self):
-            return 3
+            return 27
 
         def __getitem__(self, i):
-            rows = np.arange(8 * i, 8 * i + 8)
-            return rows[:, None].astype("float32"), rows
+            return torch.tensor([float(i)]), i
 
-    ds = Batches()
-    assert input_kind(ds) == "pydataset"
-    cut = [batches(ShardedData(source_for(ds, None, None, None, False, 0, "fit", r), p, training=False))
-           for r, p in enumerate(planners())]
-    assert [list(b[1]) for b in cut[1]] == [[6, 7], [14, 15], [22, 23]]
+    class Comm:  # every rank drew the same batches
+        def gather_objects(self, obj, what=""):
+            return [obj, obj]
 
-    def gen():
-        for _ in range(2):
-            yield np.ones((8, 1), "float32"), np.arange(8)
+    loaders = [torch.utils.data.DataLoader(Items(), batch_size=8, shuffle=True, num_workers=2,
+                                           generator=torch.Generator().manual_seed(4)) for _ in range(2)]
+    from multigpu.data.loader import LoaderSource
 
-    with pytest.warns(UserWarning, match="every rank iterates its own copy"):
-        source = source_for(gen(), None, None, None, False, 0, "fit", 0)
-    got = batches(ShardedData(source, planners()[0], training=False))
-    assert [len(b[1]) for b in got] == [6, 6]
+    sources = [LoaderSource(loader, Comm(), r) for r, loader in enumerate(loaders)]
+    got = [[], []]
+    for r, (s, p) in enumerate(zip(sources, planners())):
+        for batch in s.batches(p.plan):
+            got[r].append([int(v) for v in batch[1]])
+            assert p.take(len(batch[1])).local == len(batch[1])
+    assert [len(b) for b in got[0]] == [6, 6, 6, 2] and [len(b) for b in got[1]] == [2, 2, 2, 1]
+    rows = [i for step in zip(got[0], got[1]) for part in step for i in part]
+    assert sorted(rows) == list(range(27)) and rows != list(range(27))
+    one_device = [int(i) for _, ys in torch.utils.data.DataLoader(
+        Items(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(4)) for i in ys]
+    assert rows == one_device  # the same global batches, in the same order, as one device draws
 
 
 def test_bad_inputs_say_what_was_received():
     with pytest.raises(ValueError, match=r"same number of rows. Received row counts x: \[10\], y: \[9\]"):
         num_rows(np.zeros((10, 2)), np.zeros(9))
     with pytest.raises(TypeError, match="Received: x of type str"):
-        source_for("data.csv", None, None, 8, False, 0, "fit", 0)
+        source_for("data.csv", None, None, 8, False, 0, "fit", host())
     with pytest.raises(TypeError, match="`y` and `sample_weight` must be NumPy arrays"):
-        source_for(np.zeros((4, 1)), [1, 2, 3, 4], None, 8, False, 0, "fit", 0)
+        source_for(np.zeros((4, 1)), [1, 2, 3, 4], None, 8, False, 0, "fit", host())
     with pytest.raises(ValueError, match="not sufficient to split"):
         validation_split((np.zeros((1, 1)),), 0.5)
 

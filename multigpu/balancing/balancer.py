@@ -33,6 +33,7 @@ __all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
 
 WINDOW_SECONDS = 1.5
 WINDOW_STEPS = 3
+INPUT_BOUND = 0.2  # a device that waits this share of its time for input is held back by it
 
 
 def describe_shares(ratios: Sequence[float]) -> str:
@@ -115,6 +116,7 @@ class LoadBalancer:
         self._epoch = self._empty_epoch()
         self._changed = False
         self._said_no_gain = False
+        self._said_input_bound = False
         self._windows = 0
 
     # ------------------------------------------------------------- queries
@@ -220,6 +222,7 @@ class LoadBalancer:
             e["step"][r] += rec.step[r]
             e["compute"][r] += rec.compute[r]
             e["samples"][r] += rec.samples[r]
+            e["input"][r] += rec.input[r] if rec.input else 0.0
         e["steps"] += 1
         if self.search is None or self.batch_size is None:
             return
@@ -306,6 +309,7 @@ class LoadBalancer:
             samples = e["samples"][r]
             rows.append({
                 "device": d.label, "share": self.ratios[r] / total, "data": max(0.0, wall - step),
+                "input": min(e["input"][r], max(0.0, wall - step)),
                 "compute": compute, "wait": max(0.0, step - compute), "samples": samples, "steps": e["steps"],
                 "samples_per_second": samples / wall if wall else 0.0,
                 "compute_samples_per_second": samples / compute if compute else 0.0,
@@ -314,13 +318,28 @@ class LoadBalancer:
         self._epoch = self._empty_epoch()
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
+        self._check_input(epoch, e)
         if self._changed and self.options.auto:
             self._save_profile()
         return self.last_report
 
+    def _check_input(self, epoch: int, e: dict) -> None:
+        """Says once when waiting for input took a fifth or more of a device's time in an epoch."""
+        if self._said_input_bound or not e["steps"]:
+            return
+        waited = [i / w if w else 0.0 for i, w in zip(e["input"], e["wall"])]
+        if max(waited) < INPUT_BOUND:
+            return
+        self._said_input_bound = True
+        detail = ", ".join(f"{d.label} {f:.0%}" for d, f in zip(self.devices, waited))
+        self._log(f"the input holds the run back: in epoch {epoch + 1} the devices waited for their batches "
+                  f"({detail} of their time). More loader workers (PyDataset(workers=...), "
+                  "DataLoader(num_workers=...)) or a faster source would speed training; more devices would not.")
+
     def _empty_epoch(self) -> dict:
         n = self.world_size
-        return {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n, "steps": 0}
+        return {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n,
+                "input": [0.0] * n, "steps": 0}
 
     def _save_profile(self) -> None:
         self._changed = False

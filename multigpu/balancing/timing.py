@@ -4,11 +4,13 @@ For each training step a rank measures
 
 * **wall**: from the end of its previous step to the end of this one (the
   input pipeline, Keras's own per-step work, and the step);
+* **input**: the part of that time the training loop waited for the step's
+  batch (reading it, or waiting for the reader);
 * **step**: from the start of the step to its end;
 * **compute**: the step minus the time spent inside collectives (waiting for
   the other ranks: communication that did not overlap, and imbalance).
 
-These three numbers and the step's samples travel with the step's last
+These numbers and the step's samples travel with the step's last
 collective (a few floats beside the gradients), so that after it every rank
 holds every rank's numbers of the step before, with no collective of their
 own.  The balancer judges shares by them; the epoch report sums them.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 __all__ = ["FIELDS", "StepRecord", "StepTiming", "format_report"]
 
-FIELDS = ("wall", "step", "compute", "samples")
+FIELDS = ("wall", "step", "compute", "samples", "input")
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,14 @@ class StepRecord:
         step: per rank, seconds the step itself took.
         compute: per rank, seconds computing (the step minus waiting in collectives).
         samples: per rank, rows processed.
+        input: per rank, seconds the loop waited for the step's batch.
     """
 
     wall: tuple[float, ...]
     step: tuple[float, ...]
     compute: tuple[float, ...]
     samples: tuple[int, ...]
+    input: tuple[float, ...] = ()
 
     @classmethod
     def from_vector(cls, values: Sequence[float], world_size: int, complete: bool = False) -> StepRecord | None:
@@ -56,7 +60,7 @@ class StepRecord:
         parts = [tuple(float(v) for v in values[i * n : (i + 1) * n]) for i in range(len(FIELDS))]
         if not any(parts[0]) or (complete and not all(parts[0])):
             return None  # no rank (or, with ``complete``, not every rank) had a finished step to report
-        return cls(parts[0], parts[1], parts[2], tuple(round(s) for s in parts[3]))
+        return cls(parts[0], parts[1], parts[2], tuple(round(s) for s in parts[3]), parts[4])
 
 
 class StepTiming:
@@ -73,7 +77,12 @@ class StepTiming:
         self._start = 0.0
         self._waiting = 0.0
         self._last_end: float | None = None
-        self._pending: tuple[float, float, float, int] | None = None
+        self._input = 0.0
+        self._pending: tuple[float, float, float, int, float] | None = None
+
+    def note_input(self, seconds: float) -> None:
+        """The loop waited ``seconds`` for the next step's batch."""
+        self._input += seconds
 
     def begin(self) -> None:
         """Marks the start of a step."""
@@ -94,8 +103,10 @@ class StepTiming:
         now = time.perf_counter()
         step = now - self._start
         wall = step if self._last_end is None else now - self._last_end
-        self._pending = (wall, step, max(0.0, step - self._waiting), int(samples))
+        waited = min(self._input, max(0.0, wall - step))
+        self._pending = (wall, step, max(0.0, step - self._waiting), int(samples), waited)
         self._last_end = now
+        self._input = 0.0
 
     def discard(self) -> None:
         """The step just ended is not a measurement of the shares (it compiled): it is not reported.
@@ -110,6 +121,7 @@ class StepTiming:
         """The next step's wall time would include more than the step (an epoch boundary, validation)."""
         self._last_end = None
         self._pending = None
+        self._input = 0.0
 
     def vector(self) -> list[float]:
         """This rank's slots of the shared record of its last finished step (zeros elsewhere)."""
@@ -127,13 +139,19 @@ class StepTiming:
 
 
 def format_report(report: dict) -> str:
-    """The per-device breakdown of an epoch as a small table."""
+    """The per-device breakdown of an epoch as a small table.
+
+    ``input`` is the time the loop waited for batches, ``loop`` the rest of
+    the time between steps (Keras's loop, callbacks), ``compute`` the step
+    without collectives, ``waiting`` the time in collectives.
+    """
     lines = [f"multigpu: where the time went in epoch {report['epoch'] + 1}:",
-             f"  {'device':<12}{'share':>7}{'data':>7}{'compute':>9}{'waiting':>9}{'samples/s':>11}"]
+             f"  {'device':<12}{'share':>7}{'input':>7}{'loop':>7}{'compute':>9}{'waiting':>9}{'samples/s':>11}"]
     for row in report["devices"]:
         total = row["data"] + row["compute"] + row["wait"] or 1.0
+        waited = row.get("input", 0.0)
         lines.append(
-            f"  {row['device']:<12}{row['share']:>7.0%}{row['data'] / total:>7.0%}"
+            f"  {row['device']:<12}{row['share']:>7.0%}{waited / total:>7.0%}{(row['data'] - waited) / total:>7.0%}"
             f"{row['compute'] / total:>9.0%}{row['wait'] / total:>9.0%}{row['samples_per_second']:>11.1f}"
         )
     return "\n".join(lines)

@@ -95,8 +95,9 @@ def _where_time_goes(result: dict) -> list[str]:
     lines = []
     for row in report.get("devices", []):
         total = row["data"] + row["compute"] + row["wait"] or 1.0
-        lines.append(f"  {row['device']:<12} data {row['data'] / total:>4.0%}  compute "
-                     f"{row['compute'] / total:>4.0%}  waiting {row['wait'] / total:>4.0%}")
+        waited = row.get("input", 0.0)
+        lines.append(f"  {row['device']:<12} input {waited / total:>4.0%}  loop {(row['data'] - waited) / total:>4.0%}"
+                     f"  compute {row['compute'] / total:>4.0%}  waiting {row['wait'] / total:>4.0%}")
     return lines
 
 

@@ -16,6 +16,7 @@ import keras
 __all__ = [
     "TESTED",
     "DataAdapter",
+    "PyDatasetAdapter",
     "batchnorm_axes",
     "batchnorm_moments",
     "call_has_training_arg",
@@ -42,6 +43,12 @@ except ImportError as exc:  # pragma: no cover - depends on the Keras release
 else:
     _IMPORT_ERROR = None
 
+try:  # runs a PyDataset with its own workers (Keras's enqueuer), for multigpu's background readers
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+except ImportError as exc:  # pragma: no cover - depends on the Keras release
+    PyDatasetAdapter = None  # type: ignore[assignment,misc]
+    _IMPORT_ERROR = _IMPORT_ERROR or exc
+
 
 def _version() -> tuple[int, int]:
     parts = keras.__version__.split(".")
@@ -56,7 +63,7 @@ def check() -> None:
     """
     missing = []
     if _IMPORT_ERROR is not None:
-        missing.append(f"keras.src.trainers.data_adapters.data_adapter.DataAdapter ({_IMPORT_ERROR})")
+        missing.append(f"keras.src.trainers.data_adapters' DataAdapter and PyDatasetAdapter ({_IMPORT_ERROR})")
     model_attrs = ("_compute_loss", "_flatten_layers", "compute_metrics", "get_metrics_result", "train_step")
     if keras.backend.backend() == "jax":
         model_attrs += ("_update_metrics_variables", "compute_loss_and_updates", "metrics_variables")

@@ -1,99 +1,41 @@
-"""Each rank's share of every global batch, as a Keras ``DataAdapter``; checks of the user's data.
+"""Each rank's share of every global batch, as a Keras ``DataAdapter``.
 
 A global batch goes from the user's data to this rank's rows in one place:
 :class:`ShardedData` asks the planner (the balancer's) for the batch's plan
-and cuts this rank's contiguous run of rows out of it.  For training data the
-plan is queued for the training step, which weights its gradients by it; for
-evaluation and prediction it is not.  ``ShardedData`` is a Keras
-``DataAdapter``, which Keras's ``fit``/``evaluate``/``predict`` take as it is,
-so Keras's own loop runs unchanged, once per global batch on every rank (an
-empty share is an empty batch), and callbacks fire as they would on one device.
-The global batches of each input form (arrays, ``PyDataset``, generators and
-``DataLoader``) come from :mod:`multigpu.keras.sources`.
+and the source (:mod:`multigpu.data`) cuts this rank's contiguous run of rows
+out of it.  For training data the plan is queued for the training step, which
+weights its gradients by it; for evaluation and prediction it is not.
+``ShardedData`` is a Keras ``DataAdapter``, which Keras's ``fit``/``evaluate``/
+``predict`` take as it is, so Keras's own loop runs unchanged, once per global
+batch on every rank (an empty share is an empty batch), and callbacks fire as
+they would on one device.  The time the loop waits for each batch is measured
+here, as the step's input time.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import keras
-import numpy as np
 
 from multigpu.keras import _compat
 from multigpu.planning.plan import StepPlan, StepPlanner
 
-__all__ = ["ShardedData", "input_kind", "is_array_data", "num_rows", "validation_split"]
+__all__ = ["ShardedData"]
 
 
-def _leaves(structure) -> list:
-    return [leaf for leaf in keras.tree.flatten(structure) if leaf is not None]
+def _to_backend(batch):
+    jax = keras.backend.backend() == "jax"
 
+    def convert(a):
+        if a is None:
+            return a
+        if jax and type(a).__module__.startswith("torch"):
+            a = a.numpy()  # a DataLoader's tensors, for JAX
+        return keras.ops.convert_to_tensor(a)
 
-def _is_array(value) -> bool:
-    if isinstance(value, np.ndarray):
-        return True
-    return type(value).__module__.startswith("torch") and hasattr(value, "shape") and hasattr(value, "dtype")
-
-
-def is_array_data(*structures) -> bool:
-    """True when every leaf of the given structures is an array or tensor."""
-    leaves = [leaf for s in structures if s is not None for leaf in _leaves(s)]
-    return bool(leaves) and all(_is_array(leaf) for leaf in leaves)
-
-
-def num_rows(x, y=None, sample_weight=None) -> int:
-    """The common number of rows of all arrays.
-
-    Raises:
-        ValueError: when the arrays differ in length, naming the lengths.
-    """
-    lengths: dict[str, set[int]] = {}
-    for name, s in (("x", x), ("y", y), ("sample_weight", sample_weight)):
-        for leaf in _leaves(s) if s is not None else []:
-            lengths.setdefault(name, set()).add(int(leaf.shape[0]))
-    values = {n for v in lengths.values() for n in v}
-    if len(values) != 1:
-        detail = ", ".join(f"{k}: {sorted(v)}" for k, v in lengths.items())
-        raise ValueError(
-            f"All inputs, targets and sample weights must have the same number of rows. Received row counts {detail}."
-        )
-    return values.pop()
-
-
-def input_kind(x) -> str:
-    """``"arrays"``, ``"pydataset"``, ``"generator"``, ``"dataloader"`` or ``"other"``."""
-    if is_array_data(x):
-        return "arrays"
-    if isinstance(x, keras.utils.PyDataset):
-        return "pydataset"
-    if type(x).__module__.startswith("torch.utils.data") or any(
-        c.__module__.startswith("torch.utils.data") and c.__name__ == "DataLoader" for c in type(x).__mro__
-    ):
-        return "dataloader"
-    if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
-        return "generator"
-    return "other"
-
-
-def validation_split(arrays: tuple, fraction: float) -> tuple[tuple, tuple]:
-    """The last ``fraction`` of the rows as validation data, as Keras's ``validation_split`` does."""
-    rows = num_rows(*arrays)
-    split_at = int(np.floor(rows * (1.0 - fraction)))
-    if split_at in (0, rows):
-        raise ValueError(f"Training data contains {rows} samples, which is not sufficient to split it into a "
-                         f"validation and training set as specified by `validation_split={fraction}`.")
-
-    def cut(s, part):
-        return None if s is None else keras.tree.map_structure(lambda a: a[part], s)
-
-    return (tuple(cut(a, slice(0, split_at)) for a in arrays), tuple(cut(a, slice(split_at, rows)) for a in arrays))
-
-
-def _to_backend(batch: tuple) -> tuple:
-    return keras.tree.map_structure(
-        lambda a: a if a is None else keras.ops.convert_to_tensor(a), batch, none_is_leaf=False
-    )
+    return keras.tree.map_structure(convert, batch, none_is_leaf=False)
 
 
 _Base = _compat.DataAdapter if _compat.DataAdapter is not None else object
@@ -103,22 +45,20 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
     """A Keras ``DataAdapter`` yielding this rank's share of each global batch.
 
     Args:
-        source: the global batches (see the module docstring).
+        source: the global batches (a source of :mod:`multigpu.data`).
         planner: the balancer's planner.
         training: queue each batch's plan for the training step.
+        input_time: called with the seconds the loop waited for each batch.
     """
 
-    def __init__(self, source, planner: StepPlanner, *, training: bool) -> None:
+    def __init__(self, source, planner: StepPlanner, *, training: bool,
+                 input_time: Callable[[float], None] | None = None) -> None:
         self.source = source
         self.planner = planner
         self.training = training
+        self.input_time = input_time
         self.epoch = -1
-        self.plans: list[StepPlan] = []  # this epoch's, for prediction
-
-    def _plan(self, total: int) -> StepPlan:
-        plan = self.planner.plan(total, for_step=self.training)
-        self.plans.append(plan)
-        return plan
+        self.plans: list[StepPlan] = []  # the plans of the pass read last, for prediction
 
     def set_epoch(self, epoch: int) -> None:
         """Draws epoch ``epoch``'s order (the same on every rank)."""
@@ -126,18 +66,48 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
         self.source.set_epoch(epoch)
 
     def _iterate(self, convert: bool) -> Iterator[tuple]:
-        self.plans = []
-        for batch in self.source.batches(self._plan):
-            yield _to_backend(batch) if convert else batch
+        """A pass over the source, started where Keras's torch trainer starts one over its own adapter (a
+        DataLoader's iterator, and the draws of its shuffle, begin at this call)."""
+        if self.training:
+            self.planner.reset()  # plans of a pass Keras left early (a peek to build the model) are never trained on
+        plans: list[StepPlan] = []
+
+        def plan_of(total: int) -> StepPlan:
+            plan = self.planner.plan(total, for_step=self.training)
+            plans.append(plan)
+            return plan
+
+        return self._timed(self.source.batches(plan_of), plans, convert)
+
+    def _lazy(self, convert: bool) -> Iterator[tuple]:
+        """A pass started at its first batch, as Keras's numpy and JAX iterators start theirs."""
+        yield from self._iterate(convert)
+
+    def _timed(self, batches: Iterator, plans: list[StepPlan], convert: bool) -> Iterator[tuple]:
+        self.plans = plans  # the pass that is read (Keras also starts passes it never reads)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                batch = _to_backend(batch) if convert else batch
+                if self.input_time is not None:
+                    self.input_time(time.perf_counter() - start)
+                yield batch
+        finally:
+            if hasattr(batches, "close"):
+                batches.close()
 
     def get_torch_dataloader(self):
         return self._iterate(convert=True)
 
     def get_numpy_iterator(self):
-        return self._iterate(convert=False)
+        return self._lazy(convert=False)
 
     def get_jax_iterator(self):
-        return self._iterate(convert=True)
+        return self._lazy(convert=True)
 
     def get_tf_dataset(self):  # pragma: no cover - multigpu runs on torch and JAX
         raise NotImplementedError("multigpu does not feed the TensorFlow backend")
@@ -161,11 +131,13 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
         return None if rows is None or size is None or rows % size == 0 else rows % size
 
     def on_epoch_begin(self):
-        if self.training:
-            self.planner.reset()  # batches cut by a peek (Keras builds the model from one) are not trained on
         if hasattr(self.source, "on_epoch_begin"):
             self.source.on_epoch_begin()
 
     def on_epoch_end(self):
         if hasattr(self.source, "on_epoch_end"):
             self.source.on_epoch_end()
+
+    def close(self) -> None:
+        """Ends the source's readers (at the end of the call)."""
+        self.source.close()

@@ -12,10 +12,12 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from multigpu.data.forms import input_kind, num_rows, validation_split
+from multigpu.data.host import Host
+from multigpu.data.sources import source_for
 from multigpu.keras import _compat
 from multigpu.keras.callbacks import EpochHooks, for_rank
-from multigpu.keras.data import ShardedData, input_kind, num_rows, validation_split
-from multigpu.keras.sources import source_for
+from multigpu.keras.data import ShardedData
 
 __all__ = ["Loops"]
 
@@ -68,16 +70,21 @@ class Loops:
 
     def _data(self, x, y, sample_weight, batch_size, shuffle, seed, what: str, training: bool) -> ShardedData:
         p = self.parallel
-        if input_kind(x) == "arrays":
+        kind = input_kind(x)
+        if kind == "arrays":
             batch_size = _check_batch_size(batch_size, self.world_size, self.rank, what)
             rows = num_rows(x, y, sample_weight)
             if training:
                 p.balancer.shares(batch_size)  # a batch that no device cap allows fails here, on every rank
             p.comm.check_same(rows, f"{what}: the numbers of rows")
-        source = source_for(x, y, sample_weight, batch_size, shuffle, seed, what, self.rank)
-        if input_kind(x) == "pydataset":
+        elif seed is None:
+            seed = p.comm.shared_seed()  # names this call's input files apart from any other's
+        host = Host.of(p.runtime, p.comm, seed or 0)
+        source = source_for(x, y, sample_weight, batch_size, shuffle, seed or 0, what, host)
+        if kind in ("pydataset", "dataloader"):
             p.comm.check_same(source.num_batches or -1, f"{what}: the numbers of batches")
-        return ShardedData(source, p.balancer.planner, training=training)
+        return ShardedData(source, p.balancer.planner, training=training,
+                           input_time=p.timing.note_input if training else None)
 
     # ------------------------------------------------------------------ fit
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
@@ -110,12 +117,17 @@ class Loops:
         p.balancer.begin_fit(train.batch_size, p.signature)
         p.steps_per_epoch = steps_per_epoch or train.num_batches
         p.timing.break_continuity()
-        history = self.keras["fit"](
-            train, epochs=epochs, verbose=self._verbose(verbose),
-            callbacks=[EpochHooks(p, train), *for_rank(callbacks, self.rank)], validation_data=val,
-            shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps, validation_freq=validation_freq,
-        )
+        try:
+            history = self.keras["fit"](
+                train, epochs=epochs, verbose=self._verbose(verbose),
+                callbacks=[EpochHooks(p, train), *for_rank(callbacks, self.rank)], validation_data=val,
+                shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps, validation_freq=validation_freq,
+            )
+        finally:
+            for data in (train, val):
+                if data is not None:
+                    data.close()
         self._ended("fit")
         return history
 
@@ -134,9 +146,13 @@ class Loops:
             return self.keras["evaluate"](x, y, batch_size=batch_size, verbose=self._verbose(verbose),
                                           sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                           return_dict=return_dict, **kwargs)
-        data = self._data(x, y, sample_weight, batch_size, False, 0, "evaluate", training=False)
-        result = self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
-                                        callbacks=for_rank(callbacks, self.rank), return_dict=return_dict, **kwargs)
+        data = self._data(x, y, sample_weight, batch_size, False, None, "evaluate", training=False)
+        try:
+            result = self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
+                                            callbacks=for_rank(callbacks, self.rank), return_dict=return_dict,
+                                            **kwargs)
+        finally:
+            data.close()
         self._ended("evaluate")
         return result
 
@@ -145,9 +161,12 @@ class Loops:
         """Keras ``predict`` on this rank's shares; every rank returns all rows in their order."""
         p = self.parallel
         p.steps.sync_batchnorm_statistics()
-        data = self._data(x, None, None, batch_size, False, 0, "predict", training=False)
-        out = self.keras["predict"](data, verbose=self._verbose(verbose), steps=steps,
-                                    callbacks=for_rank(callbacks, self.rank))
+        data = self._data(x, None, None, batch_size, False, None, "predict", training=False)
+        try:
+            out = self.keras["predict"](data, verbose=self._verbose(verbose), steps=steps,
+                                        callbacks=for_rank(callbacks, self.rank))
+        finally:
+            data.close()
         return self._gather([plan.sizes for plan in data.plans], out)
 
     def _gather(self, sizes: list[tuple[int, ...]], out):

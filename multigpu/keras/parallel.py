@@ -52,7 +52,9 @@ class State:
         devices: every rank's device.
         ratios: the current shares, as fractions of the global batch.
         speeds: the last measured samples/s of each device (compute only), if any.
-        last_report: the last epoch's per-device breakdown (``report=True`` prints it), if any.
+        last_report: the last epoch's per-device breakdown (``report=True`` prints it), if any: per device,
+            seconds waiting for ``input``, outside the step in all (``data``: input and Keras's loop),
+            computing (``compute``) and waiting for other devices (``wait``).
         transport: how gradients are summed: ``"shm"``, ``"gloo"``, ``"nccl"`` or ``"none"`` (one device).
         caps: the per-device largest local batch, if given.
         quantum: local batch sizes are multiples of this many rows (JAX's automatic shares: 1/16 of the batch).

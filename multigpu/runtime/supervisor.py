@@ -75,6 +75,7 @@ class Supervisor:
         self.stdout = stdout
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
+        self.port: int | None = None
         self._reported_at: dict[int, float] = {}
 
     # ------------------------------------------------------------ one attempt
@@ -83,7 +84,7 @@ class Supervisor:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.run_dir = tempfile.mkdtemp(prefix="multigpu-run-")
         listener = loopback_listener()
-        port = listener.getsockname()[1]
+        port = self.port = listener.getsockname()[1]
         self.procs = []
         self._reported_at = {}
         try:
@@ -167,6 +168,11 @@ class Supervisor:
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+        if self.port is not None:
+            from multigpu.data.exchange import remove_run_files
+
+            remove_run_files(str(self.port))  # input batches a failed rank left in shared memory
+            self.port = None
 
     # ------------------------------------------------------------- the run
     def run(self, max_restarts: int = 0, prefix: str = "multigpu") -> int:

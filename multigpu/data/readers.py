@@ -1,0 +1,299 @@
+"""Inputs one machine reads once for all its ranks: ``PyDataset``, generators, iterable datasets.
+
+What cannot be indexed by row is read as global batches, in background
+threads, ahead of the training loop, and handed to the machine's ranks through
+:mod:`multigpu.data.exchange`; each rank copies only its rows, cut when it
+takes the batch (so shares that move between steps are always the current
+ones):
+
+* :class:`PyDatasetSource`: the machine's ranks take turns: local rank ``l``
+  of ``L`` reads global batches ``l, l+L, l+2L, ...`` of the epoch's order
+  with the dataset's own ``workers``, ``use_multiprocessing`` and
+  ``max_queue_size`` (Keras's own enqueuer), so the reading is spread over
+  the ranks' cores and each batch is read once per machine;
+* :class:`StreamSource`: a generator, or a DataLoader that cannot be cut by
+  index, is iterated by local rank 0 alone, in a thread.
+
+A failure while reading reaches every rank of the machine at that batch,
+naming the rank that read it and the original error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+import keras
+import numpy as np
+
+from multigpu.data.exchange import InputError, Pass, StoppedError
+from multigpu.data.forms import batch_rows, standardize
+from multigpu.data.host import Host
+from multigpu.keras import _compat
+from multigpu.planning.plan import StepPlan
+
+__all__ = ["PyDatasetSource", "StreamSource", "cut_rows"]
+
+
+def cut_rows(batch, rows: int, begin: int, end: int):
+    """A copy of rows ``[begin, end)`` of every array with ``rows`` rows (other leaves as they are)."""
+
+    def cut(leaf):
+        if isinstance(leaf, np.ndarray):
+            return np.array(leaf[begin:end] if leaf.ndim and leaf.shape[0] == rows else leaf)
+        return leaf
+
+    return keras.tree.map_structure(cut, batch)
+
+
+class _Reader:
+    """A daemon thread running ``read(publish, stop)``; an error is published at the batch it was reading."""
+
+    def __init__(self, name: str, host: Host, pass_: Pass, read: Callable) -> None:
+        self.host, self.pass_ = host, pass_
+        self.stop = threading.Event()
+        self.next = 0  # the batch the reader is reading, where an error is published
+        self._read = read
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def publish(self, index: int, batch) -> None:
+        self.next = index
+        self.pass_.publish(index, batch, self.stop)
+
+    def _run(self) -> None:
+        try:
+            self._read(self)
+        except StoppedError:
+            pass
+        except BaseException as exc:  # any error of the user's loader ends the run at its batch
+            if not self.stop.is_set():
+                self.pass_.publish_error(self.next, self.host.label, exc)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.stop.set()
+        self._thread.join(timeout)
+
+
+def _take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan]):
+    """Batch ``index`` of the pass, this rank's rows copied out, or None at the input's end."""
+    kind, batch = pass_.fetch(index)
+    if kind == "end":
+        return None
+    batch = standardize(batch)
+    rows = batch_rows(batch)
+    plan = plan_of(rows)
+    begin, end = plan.rows(plan.rank)
+    return cut_rows(batch, rows, begin, end)
+
+
+class _Stripe(keras.utils.PyDataset):
+    """Global batches ``order[i]`` for ``i = first, first + step, ...`` of a dataset, with its workers."""
+
+    def __init__(self, dataset, order, first: int, step: int) -> None:
+        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self.dataset, self.order, self.first, self.step = dataset, order, first, step
+
+    def global_index(self, j: int) -> int:
+        return self.first + j * self.step
+
+    def __len__(self) -> int:
+        n = self.dataset.num_batches
+        return max(0, -(-(n - self.first) // self.step))
+
+    @property
+    def num_batches(self):
+        return None if self.dataset.num_batches is None else len(self)
+
+    def __getitem__(self, j: int):
+        i = self.global_index(j)
+        return self.dataset[int(self.order[i]) if self.order is not None else i]
+
+    def on_epoch_begin(self) -> None:  # the user's dataset hears of epochs from the training loop, once
+        pass
+
+    def on_epoch_end(self) -> None:
+        pass
+
+
+class PyDatasetSource:
+    """A ``keras.utils.PyDataset``, each global batch read once per machine (see the module docstring).
+
+    Args:
+        dataset: the user's dataset.
+        shuffle: shuffle the order of its batches each epoch (drawn from the shared seed).
+        seed: the run's shared seed.
+        host: this rank's machine.
+    """
+
+    def __init__(self, dataset, shuffle: bool, seed: int, host: Host) -> None:
+        self.dataset, self.shuffle, self.seed = dataset, bool(shuffle), int(seed)
+        self.host = host
+        self.stream = host.stream()
+        self.order: np.ndarray | None = None
+        self.passes = 0
+        self.depth = max(2 * host.local_size, int(dataset.max_queue_size), 4)
+
+    @property
+    def num_batches(self):
+        return self.dataset.num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        n = self.dataset.num_batches
+        self.order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle and n else None
+
+    def _read(self, stripe: _Stripe) -> Callable:
+        def read(reader: _Reader) -> None:
+            if stripe.num_batches == 0:
+                return
+            adapter = _compat.PyDatasetAdapter(stripe, shuffle=False)
+            adapter.on_epoch_begin()
+            try:
+                j = 0
+                reader.next = stripe.global_index(0)
+                iterator = iter(adapter.get_numpy_iterator())
+                while not reader.stop.is_set():
+                    reader.next = stripe.global_index(j)
+                    try:
+                        batch = next(iterator)
+                    except StopIteration:
+                        return
+                    except IndexError:  # a dataset without a length ends with IndexError, as in Keras
+                        reader.pass_.publish_end(reader.next)
+                        return
+                    reader.publish(reader.next, batch)
+                    j += 1
+            finally:
+                adapter.on_epoch_end()
+        return read
+
+    def batches(self, plan_of: Callable[[int], StepPlan]) -> Iterator:
+        host, n = self.host, self.dataset.num_batches
+        pass_ = host.open_pass(self.stream, self.passes, self.depth)
+        self.passes += 1
+        stripe = _Stripe(self.dataset, self.order, host.local_rank, host.local_size)
+        reader = _Reader(f"multigpu-read-{self.stream}", host, pass_, self._read(stripe))
+        try:
+            i = 0
+            while n is None or i < n:
+                batch = _take(pass_, i, plan_of)
+                if batch is None:
+                    return
+                yield batch
+                i += 1
+                pass_.consumed(i)
+        finally:
+            reader.close()
+            pass_.close()
+
+    def on_epoch_begin(self) -> None:
+        if hasattr(self.dataset, "on_epoch_begin"):
+            self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self.dataset.on_epoch_end()
+
+    def close(self) -> None:
+        pass
+
+
+class StreamSource:
+    """A generator or an iterable that cannot be cut by index, read by one rank per machine.
+
+    A generator runs once: it is one stream for the whole call, and a batch
+    that was taken but not trained on (Keras takes one to build the model) is
+    given again at the next pass.  A re-iterable input (a DataLoader) is read
+    again at each pass.  With several machines, each reads its own copy, and
+    the ranks check at every batch that all of them still have one.
+
+    Args:
+        source: the generator or iterable.
+        host: this rank's machine.
+        depth: global batches read ahead.
+    """
+
+    def __init__(self, source: Iterable, host: Host, depth: int = 4) -> None:
+        self.source, self.host = source, host
+        self.one_shot = inspect.isgenerator(source) or iter(source) is source
+        self.stream = host.stream()
+        self.depth = max(depth, 2 * host.local_size)
+        self.passes = 0
+        self._pass: Pass | None = None
+        self._reader: _Reader | None = None
+        self._position = 0  # of a one-shot stream: the next batch not yet trained on
+
+    @property
+    def num_batches(self):
+        try:
+            return len(self.source)
+        except TypeError:
+            return None
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def _read(self, reader: _Reader) -> None:
+        i = 0
+        for item in self.source:
+            if reader.stop.is_set():
+                return
+            reader.publish(i, item)
+            i += 1
+            reader.next = i
+        reader.pass_.publish_end(i)
+
+    def _open(self) -> Pass:
+        pass_ = self.host.open_pass(self.stream, self.passes, self.depth)
+        self.passes += 1
+        if self.host.local_rank == 0:
+            self._reader = _Reader(f"multigpu-read-{self.stream}", self.host, pass_, self._read)
+        return pass_
+
+    def batches(self, plan_of: Callable[[int], StepPlan]) -> Iterator:
+        if self.one_shot:
+            if self._pass is None:
+                self._pass = self._open()
+            pass_, i = self._pass, self._position
+        else:
+            pass_, i = self._open(), 0
+        try:
+            while True:
+                batch = _take(pass_, i, plan_of)
+                if self.host.hosts > 1:
+                    self._agree(batch is not None, i)
+                if batch is None:
+                    return
+                yield batch
+                i += 1
+                if self.one_shot:
+                    self._position = i
+                pass_.consumed(i)
+        finally:
+            if not self.one_shot:
+                self._close(pass_)
+
+    def _agree(self, have: bool, index: int) -> None:
+        """With several machines, every rank must still have a batch, or none may."""
+        comm = self.host.comm
+        flags = [0.0] * comm.world_size
+        flags[self.host.rank] = 1.0 if have else 0.0
+        flags = comm.sum_floats(flags, "checking that every machine's input has the next batch")
+        with_batch = [r for r, v in enumerate(flags) if v]
+        if 0 < len(with_batch) < comm.world_size:
+            without = [r for r, v in enumerate(flags) if not v]
+            raise InputError(f"the input ran out after {index} batches on rank(s) {without} while rank(s) "
+                             f"{with_batch} still had batch {index}: every machine reads its own copy of this "
+                             "input, and every copy must yield the same global batches.")
+
+    def _close(self, pass_: Pass) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        pass_.close()
+
+    def close(self) -> None:
+        if self._pass is not None:
+            self._close(self._pass)
+            self._pass = None

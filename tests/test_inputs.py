@@ -1,0 +1,108 @@
+"""Real loaders with workers on real processes: exact against one plain process on both backends.
+
+``scripts/inputs.py`` trains from a ``PyDataset`` read by worker threads, a
+``DataLoader`` with worker processes and a seeded shuffle, and a generator
+(batches of two sizes, across epochs), then evaluates and predicts; the global
+batch of 32 leaves a ragged last batch of 26 rows, where at 1:2:5 a rank has
+3 rows.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import SCRIPTS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+BACKENDS = {"torch": {"KERAS_BACKEND": "torch"},
+            "jax": {"KERAS_BACKEND": "jax", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}}
+KINDS = ("pydataset", "dataloader", "generator")
+
+
+def load(path):
+    data = np.load(path)
+    return {k: json.loads(str(data[k])) if data[k].dtype.kind == "U" else data[k] for k in data.files}
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12))
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def reference(request, tmp_path_factory):
+    backend = request.param
+    if backend == "jax":
+        pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
+    folder = tmp_path_factory.mktemp(f"inputs-{backend}")
+    env = {**os.environ, **BACKENDS[backend], "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run([sys.executable, str(SCRIPTS / "inputs.py"), str(folder / "plain.npz"), "--plain"],
+                         capture_output=True, check=False, text=True, timeout=150, env=env, cwd=folder)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return backend, load(folder / "plain.npz")
+
+
+@pytest.mark.parametrize("ratios", ["3,1", "1,2,5"])
+def test_loaders_with_workers_reproduce_one_device(runner, reference, ratios):
+    backend, plain = reference
+    n = len(ratios.split(","))
+    out = runner.tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
+                     str(SCRIPTS / "inputs.py"), str(out), extra_env=BACKENDS[backend], timeout=200)
+    assert res.returncode == 0, res.stdout
+    got = load(out)
+    for kind in KINDS:
+        assert rel(plain[kind], got[kind]) < 1e-5, kind
+        for key, values in plain[f"{kind}_history"].items():
+            np.testing.assert_allclose(got[f"{kind}_history"][key], values, rtol=1e-5, err_msg=kind)
+    for key, value in plain["evaluate"].items():
+        assert got["evaluate"][key] == pytest.approx(value, rel=1e-5)
+    np.testing.assert_allclose(got["predict"], plain["predict"], rtol=1e-5, atol=1e-6)
+    for r in range(1, n):  # every rank ends with the same weights, History and predictions
+        other = load(f"{out}.rank{r}.npz")
+        for key in (*KINDS, "predict"):
+            np.testing.assert_array_equal(other[key], got[key])
+    assert runner.leftovers() == []
+    assert not _input_files()
+
+
+def _input_files() -> list[str]:
+    """Batch files left in shared memory by any run (none may be)."""
+    from multigpu.data.exchange import directory
+
+    return [f for f in os.listdir(directory()) if f.startswith("multigpu-in-")]
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("pyds_worker", r"InputError: reading global batch \d+ of this pass failed on rank \d \(CPU:\d\): "
+                    r"OSError: cannot read batch 3"),
+    ("loader_worker", r"rank \d \(CPU:\d\) exited with code 1: OSError: Caught OSError in DataLoader worker"),
+])
+def test_an_error_in_a_loader_worker_ends_the_run_naming_the_rank_and_the_error(runner, mode, expected):
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "input_failures.py"), mode, timeout=90)
+    assert res.returncode == 1, res.stdout
+    assert re.search(expected, res.stdout), res.stdout[-3000:]
+    assert "cannot read" in res.stdout  # the original error's text and traceback reach the output
+    assert runner.leftovers() == []  # the loaders' worker threads and processes ended with their ranks
+    assert not _input_files()
+
+
+def test_a_machine_whose_input_runs_out_early_ends_the_run_with_a_clear_error(runner):
+    """Two machines (torchrun's variables, one rank each) reading their own generators; machine 1's is short."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [runner.start([sys.executable, str(SCRIPTS / "input_failures.py"), "short"], extra_env={
+        "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo"}) for r in range(2)]
+    for res in [runner.finish(p, timeout=90) for p in ranks]:
+        assert res.returncode != 0
+        assert ("the input ran out after 4 batches on rank(s) [1] while rank(s) [0] still had batch 4"
+                in res.stdout), res.stdout[-3000:]
+    assert runner.leftovers() == []
