@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	# jax's CPU build for the JAX backend (KERAS_BACKEND=jax) and its tests.
 	$(BIN)/pip install --quiet "torch==2.13.0" "jax[cpu]==0.10.2"
 	$(BIN)/pip install --quiet -e ".[test]"
+	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -13,11 +13,12 @@ proportional to the rows read):
 
 * ``pyds-io``: a ``keras.utils.PyDataset`` whose ``__getitem__`` waits 80 ms (a file read), ``workers=4``;
 * ``pyds-cpu``: a ``PyDataset`` whose ``__getitem__`` augments its images with NumPy (random crops,
-  flips, brightness, normalisation: about as long as the training step), ``workers=2``;
+  flips, brightness, normalisation, 12 times over: about as long as the training step), ``workers=2``;
 * ``loader-io``: a ``torch.utils.data.DataLoader`` over a map-style dataset whose items wait 0.6 ms,
   ``num_workers=2``;
 * ``loader-cpu``: the same DataLoader with the NumPy augmentation per item;
-* ``gen-io``: a generator that waits ``--gen-wait`` ms per batch (default 40).
+* ``gen-io``: a generator that waits ``--gen-wait`` ms per batch (default 80);
+* ``arrays-none``: the same images as in-memory arrays: what the model reaches when nothing is read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 BATCH = 128
@@ -42,8 +44,15 @@ def images():
     return x, y
 
 
-def augment(x, rng):
-    """Random 28x28 crops padded back to 32x32, flips, brightness and per-image normalisation."""
+def augment(x, rng, rounds: int = 12):
+    """Random 28x28 crops padded back to 32x32, flips, brightness and per-image normalisation, ``rounds`` times
+    (12: about as long as the training step of the width-2 convnet on one core)."""
+    for _ in range(rounds):
+        x = _augment_once(x, rng)
+    return x
+
+
+def _augment_once(x, rng):
     import numpy as np
 
     n = len(x)
@@ -122,14 +131,14 @@ def generator(batches: int, wait: float):
         yield read(range(i * BATCH, (i + 1) * BATCH), "none", x, y)
 
 
-def build():
+def build(width: float = 2.0):
     import keras
 
     L = keras.layers
     inputs = keras.Input((32, 32, 3))
-    h = L.Conv2D(16, 3, activation="relu")(inputs)
+    h = L.Conv2D(round(16 * width), 3, activation="relu")(inputs)
     h = L.MaxPooling2D()(h)
-    h = L.Conv2D(32, 3, activation="relu")(h)
+    h = L.Conv2D(round(32 * width), 3, activation="relu")(h)
     h = L.MaxPooling2D()(h)
     h = L.Flatten()(h)
     h = L.Dense(64, activation="relu")(h)
@@ -138,9 +147,10 @@ def build():
 
 def keras_run(a) -> None:
     import keras
+    import numpy as np
 
     keras.utils.set_random_seed(1)
-    model = build()
+    model = build(a.width)
     rank = 0
     if a.multigpu:
         import multigpu
@@ -152,6 +162,10 @@ def keras_run(a) -> None:
     kind, cost = a.case.split("-")[:2]
     if kind == "pyds":
         data = pydataset(cost, batches)
+    elif kind == "arrays":  # the same images in memory: what the model reaches when nothing is read
+        x, y = images()
+        index = np.arange(batches * BATCH) % POOL
+        data = None
     elif kind == "loader":
         data = dataloader(cost, batches)
     else:
@@ -162,7 +176,10 @@ def keras_run(a) -> None:
         def on_train_batch_end(self, step, logs=None):
             marks[step] = time.perf_counter()
 
-    model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[Clock()])
+    if data is None:
+        model.fit(x[index], y[index], batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[Clock()])
+    else:
+        model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[Clock()])
     seconds = marks[batches - 1] - marks[a.warmup - 1]
     result = {"samples_per_second": a.steps * BATCH / seconds, "seconds": seconds}
     if a.multigpu:
@@ -171,6 +188,7 @@ def keras_run(a) -> None:
         report = multigpu.state(model).last_report
         result["input_share"] = [r["input"] / max(r["data"] + r["compute"] + r["wait"], 1e-9)
                                  for r in report["devices"]] if report else None
+        result["report"] = report
         result["shares"] = multigpu.state(model).shares(BATCH)
     if rank == 0:
         with open(a.out, "w") as f:
@@ -189,7 +207,7 @@ def ddp_run(a) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     keras.utils.set_random_seed(1)
-    model = build()
+    model = build(a.width)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -228,7 +246,9 @@ def ddp_run(a) -> None:
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump({"samples_per_second": a.steps * BATCH / seconds, "seconds": seconds}, f)
-    dist.destroy_process_group()
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # as multigpu's ranks end: gloo's threads and persistent workers can hang a normal exit
 
 
 def main() -> None:
@@ -237,7 +257,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--gen-wait", type=float, default=40.0, help="ms a generator waits per batch")
+    p.add_argument("--gen-wait", type=float, default=80.0, help="ms a generator waits per batch")
+    p.add_argument("--width", type=float, default=2.0, help="scales the convnet's filter counts")
     p.add_argument("--multigpu", action="store_true")
     p.add_argument("--ddp", action="store_true")
     a = p.parse_args()

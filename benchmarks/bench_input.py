@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "benchmarks" / "_input_worker.py")
-CASES = ["pyds-io", "pyds-cpu", "loader-io", "loader-cpu", "gen-io", "pyds-io-slow"]
+CASES = ["arrays-none", "pyds-io", "pyds-cpu", "loader-io", "loader-cpu", "gen-io", "pyds-io-slow"]
 CONFIGS = {"single": "single", "mg2": "mg2", "ddp": "ddp"}
 
 
@@ -51,21 +51,28 @@ def _free_port() -> int:
 
 
 def _run(commands: list[tuple[list[str], dict, object]], out: Path, timeout: float) -> dict:
-    procs = [subprocess.Popen(cmd, env=env, preexec_fn=pre, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for cmd, env, pre in commands]
+    """Runs the processes together; a failure or the timeout stops them all."""
+    logs = [out.with_suffix(f".log{i}") for i in range(len(commands))]
+    procs = []
+    for (cmd, env, pre), log in zip(commands, logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=pre, stdout=f, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
-    errors = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"timed out after {timeout:.0f} s: {commands[0][0]}") from None
-        if p.returncode:
-            errors.append(err[-2000:])
-    if errors:
-        raise RuntimeError(f"failed: {commands[0][0]}\n" + "\n".join(errors))
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why = f"process {failed[0]} failed" if failed else f"timed out after {timeout:.0f} s"
+                raise RuntimeError(f"{why}: {commands[0][0]}\n{logs[failed[0] if failed else 0].read_text()[-3000:]}")
+            time.sleep(0.1)
+        failed = [i for i, p in enumerate(procs) if p.returncode]
+        if failed:
+            raise RuntimeError(f"process {failed[0]} failed: {commands[0][0]}\n{logs[failed[0]].read_text()[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return json.loads(out.read_text())
 
 
@@ -75,12 +82,12 @@ def _pin(core: int):
     return pre
 
 
-def run_config(case: str, config: str, steps: int, warmup: int, gen_wait: float) -> dict:
+def run_config(case: str, config: str, steps: int, warmup: int, gen_wait: float, width: float) -> dict:
     """One run of ``config`` on ``case`` in fresh processes; returns rank 0's result."""
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-input-") as tmp:
         out = Path(tmp) / "result.json"
         args = ["--case", case, "--out", str(out), "--steps", str(steps), "--warmup", str(warmup),
-                "--gen-wait", str(gen_wait)]
+                "--gen-wait", str(gen_wait), "--width", str(width)]
         env = _env()
         if config == "single":
             commands = [([sys.executable, WORKER, *args], env, _pin(0))]
@@ -100,16 +107,18 @@ def run_config(case: str, config: str, steps: int, warmup: int, gen_wait: float)
 def configs_of(case: str) -> list[str]:
     if case.endswith("-slow"):
         return ["mg2-equal", "mg2-auto"]
-    return ["single", "mg2"] if case.startswith("gen") else ["single", "mg2", "ddp"]
+    return ["single", "mg2"] if case.startswith(("gen", "arrays")) else ["single", "mg2", "ddp"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40, help="timed steps (the -slow case takes 4 times as many)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps (the -slow case takes 4 times as many)")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--gen-wait", type=float, default=40.0, help="ms the generator waits per batch")
+    p.add_argument("--gen-wait", type=float, default=80.0, help="ms the generator waits per batch")
+    p.add_argument("--width", type=float, default=2.0,
+                   help="scales the convnet's filter counts (2: 32 and 64 filters, about 800 samples/s on one core)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "input.json"))
     a = p.parse_args()
     results = {}
@@ -118,7 +127,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {c: [] for c in configs_of(case)}
         for round_ in range(a.rounds):
             for config, tried in runs.items():
-                result = run_config(case, config, steps, warmup, a.gen_wait)
+                result = run_config(case, config, steps, warmup, a.gen_wait, a.width)
                 tried.append(result)
                 print(f"  {case:14s} round {round_ + 1} {config:10s} {result['samples_per_second']:8.0f} samples/s",
                       flush=True)
@@ -141,7 +150,8 @@ def main() -> None:
             print(f"\n{case} (cpu:0 + cpu:1@0.5): equal {eq:.0f}, auto {auto:.0f} samples/s "
                   f"(shares {r['mg2-auto'].get('shares')}): auto / equal {auto / eq:.2f}x")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpus": os.cpu_count(),
-            "command": " ".join(["benchmarks/bench_input.py", *sys.argv[1:]]), "gen_wait_ms": a.gen_wait}
+            "command": " ".join(["benchmarks/bench_input.py", *sys.argv[1:]]), "gen_wait_ms": a.gen_wait,
+            "width": a.width}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nwrote {a.out}")

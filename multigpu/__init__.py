@@ -7,9 +7,13 @@ Example:
     import multigpu
     model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[3, 1])
     ```
+
+    In a notebook, put the training in a function and run it with
+    ``multigpu.launch(train, devices=[...])``.
 """
 
 from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, state, world_size
+from multigpu.runtime.launcher import RankError, launch
 
-__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
+__all__ = ["RankError", "launch", "list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
 __version__ = "0.2.0"

@@ -15,6 +15,9 @@ starts can find each other.
 * ``MULTIGPU_SUPERVISOR_PID``: pid of the process that started the ranks.
 * ``MULTIGPU_RUN_DIR``: a folder of the run where a failing rank writes why it
   failed, for the supervisor's message.
+* ``MULTIGPU_LAUNCH_DIR``: set by ``multigpu.launch`` on its ranks: the folder
+  that holds the pickled function, where rank 0 leaves its return value and a
+  failing rank its traceback.
 * ``MULTIGPU_TIMEOUT``: seconds a collective may wait before the run fails.
 * ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``: how CPU ranks on one machine
   sum gradients (default ``auto``: ``shm`` on x86-64 Linux; see ``parallelize(transport=)``).
@@ -42,10 +45,12 @@ DEVICES = "MULTIGPU_DEVICES"
 RATIOS = "MULTIGPU_RATIOS"
 SUPERVISOR_PID = "MULTIGPU_SUPERVISOR_PID"
 RUN_DIR = "MULTIGPU_RUN_DIR"
+LAUNCH_DIR = "MULTIGPU_LAUNCH_DIR"
 TIMEOUT = "MULTIGPU_TIMEOUT"
 TRANSPORT = "MULTIGPU_TRANSPORT"
 PROFILE = "MULTIGPU_PROFILE"
 REPLAY = "MULTIGPU_REPLAY"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT)
+RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,
+            LAUNCH_DIR)

@@ -2,10 +2,12 @@
 
 ``python -m multigpu.runtime.rank_entry script PATH ARGS...`` (or ``module
 NAME`` or ``code TEXT``) runs the user's program as ``python PATH ARGS...``
-would, then ends the process the way :mod:`multiprocessing` ends its workers:
-it waits for the program's threads, runs the ``atexit`` handlers (which leave
-the process group together with the other ranks), flushes the output and
-calls ``os._exit`` with the program's exit code.  The handlers get the run's
+would (``call PAYLOAD`` calls the function that :func:`multigpu.launch`
+pickled, and rank 0 leaves its return value beside it), then ends the
+process the way :mod:`multiprocessing` ends its workers: it waits for the
+program's threads, runs the ``atexit`` handlers (which leave the process
+group together with the other ranks), flushes the output and calls
+``os._exit`` with the program's exit code.  The handlers get the run's
 timeout plus a few seconds: a rank never hangs in its own teardown.
 
 Skipping the interpreter's finalization matters here: torch keeps the gloo
@@ -28,7 +30,7 @@ import sys
 import threading
 import types
 
-KINDS = ("script", "module", "code")
+KINDS = ("script", "module", "code", "call")
 
 
 def command(orig_argv: list[str]) -> list[str]:
@@ -73,12 +75,55 @@ def _run(kind: str, target: str, args: list[str]) -> None:
         sys.argv = [target, *args]
         sys.path[0] = os.getcwd()
         runpy.run_module(target, run_name="__main__", alter_sys=True)
+    elif kind == "call":
+        _call(target)
     else:
         sys.argv = ["-c", *args]
         sys.path[0] = ""
         module = types.ModuleType("__main__")  # as under -c, the code's globals are __main__'s
         sys.modules["__main__"] = module
         exec(compile(target, "<string>", "exec"), module.__dict__)
+
+
+def _call(payload: str) -> None:
+    """Calls the function :func:`multigpu.launch` pickled; rank 0 leaves its return value beside it."""
+    import pickle
+
+    import cloudpickle
+
+    sys.argv = [payload]
+    sys.path[0] = os.getcwd()  # the notebook's folder: modules beside it import as they do in the kernel
+    with open(payload, "rb") as f:
+        fn, args = pickle.load(f)
+    result = fn(*args)
+    if os.environ.get("MULTIGPU_RANK", "0") == "0":
+        try:
+            data = cloudpickle.dumps(result)
+        except Exception as exc:
+            raise TypeError("multigpu.launch: the function's return value must be picklable to reach the caller "
+                            "(return history.history, model.get_weights() or numbers, not the model). Received: "
+                            f"a {type(result).__name__} ({exc})") from exc
+        path = os.path.join(os.path.dirname(payload), "result.pkl")
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+
+def _note_traceback(exc: BaseException, tb) -> None:
+    """Leaves the traceback for :func:`multigpu.launch`, which raises it in the caller."""
+    folder = os.environ.get("MULTIGPU_LAUNCH_DIR")
+    if not folder:
+        return
+    import traceback
+
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    path = os.path.join(folder, f"rank{os.environ.get('MULTIGPU_RANK', '0')}.traceback")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    except OSError:  # pragma: no cover - the caller is gone
+        pass
 
 
 def _user_frames(tb):
@@ -130,6 +175,7 @@ def main(argv: list[str]) -> int:
         # Through sys.excepthook, as the interpreter reports it: multigpu's
         # hook notes the failure so that the exit does not wait for peers.
         tb = _user_frames(exc.__traceback__)
+        _note_traceback(exc, tb)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     return code

@@ -110,9 +110,15 @@ def rerun_command() -> list[str]:
         )
     if interactive:
         raise RuntimeError(
-            "multigpu.parallelize() starts the devices by running this program again, and an interactive "
-            "session cannot be re-run. Put the code in a script and run it with `python train.py`, "
-            "`multigpu run --devices ... train.py`, or `torchrun`."
+            "multigpu.parallelize() starts the other devices by running this program again, and a notebook or "
+            "an interactive session cannot be run again. Put the training in a function and run it on every "
+            "device with multigpu.launch:\n\n"
+            "    def train():\n"
+            "        model = multigpu.parallelize(build_model())\n"
+            "        ...\n"
+            "        return model.fit(x, y, batch_size=256).history\n\n"
+            "    history = multigpu.launch(train, devices=[\"cpu:0\", \"cpu:1\"])\n\n"
+            "(or put the code in a script and run it with `python train.py` or `multigpu run`)."
         )
     from multigpu.runtime import rank_entry
 

@@ -63,16 +63,21 @@ class Supervisor:
         ratios: ratios given on the command line, passed on to the ranks.
         env_extra: more environment variables for every rank.
         stdout: the ranks' standard output (default: inherited).
+        stderr: the ranks' standard error (default: inherited; ``subprocess.STDOUT`` merges it).
+        cores: CPU cores the ranks may use (default: this process's); each rank then takes its
+            share of them.
     """
 
     def __init__(self, command: list[str], devices: Sequence, timeout: float, *, ratios: str | None = None,
-                 env_extra: dict[str, str] | None = None, stdout=None) -> None:
+                 env_extra: dict[str, str] | None = None, stdout=None, stderr=None,
+                 cores: Sequence[int] | None = None) -> None:
         self.command = list(command)
         self.devices = list(devices)
         self.timeout = float(timeout)
         self.ratios = ratios
         self.env_extra = dict(env_extra or {})
-        self.stdout = stdout
+        self.stdout, self.stderr = stdout, stderr
+        self.cores = list(cores) if cores else None
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
         self.port: int | None = None
@@ -96,10 +101,17 @@ class Supervisor:
                 if r == 0:  # rank 0 serves the rendezvous on the socket opened here
                     child_env[env.STORE_FD] = str(listener.fileno())
                     fds = (listener.fileno(),)
-                self.procs.append(subprocess.Popen(self.command, env=child_env, preexec_fn=die_with_parent,
-                                                   stdout=self.stdout, pass_fds=fds))
+                self.procs.append(subprocess.Popen(self.command, env=child_env, preexec_fn=self._prepare,
+                                                   stdout=self.stdout, stderr=self.stderr,
+                                                   pass_fds=fds))
         finally:
             listener.close()
+
+    def _prepare(self) -> None:
+        """In each rank's process before it runs: its cores, and its tie to this process."""
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
+        die_with_parent()
 
     def failure(self) -> tuple[int, int] | None:
         """``(code, rank)`` of the rank that caused a failure, or None while none has failed.

@@ -1,0 +1,70 @@
+"""``multigpu.launch`` in a real Jupyter kernel (nbclient + ipykernel), as a notebook user runs it.
+
+``scripts/notebook.py`` executes notebooks cell by cell in a kernel that
+inherits the test's environment, so the leftover check sees every process the
+kernel started.
+"""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("nbclient", reason="the notebook tests need nbclient and ipykernel (make test installs them)")
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+BACKENDS = {"torch": {}, "jax": {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}}
+
+
+def run_notebook(runner, mode: str, *args: str, extra_env=None, timeout: float = 220) -> list[dict]:
+    out = runner.tmp_path / f"{mode}.json"
+    res = runner.script("notebook.py", mode, str(out), *args, timeout=timeout, extra_env=extra_env)
+    assert res.returncode == 0, res.stdout[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_launch_at_3_to_1_in_a_kernel_reproduces_one_device(runner, backend):
+    if backend == "jax":
+        pytest.importorskip("jax")
+    setup, one, launched = run_notebook(runner, "exact", "--backend", backend, extra_env=BACKENDS[backend])
+    assert not setup["errors"] and not one["errors"] and not launched["errors"], launched
+    error = float(re.search(r"relative error (\S+) rank 0", launched["text"])[1])
+    assert error < 1e-5  # the kernel computed with Keras first (on JAX too); the ranks are fresh processes
+    assert "Epoch 2/2" in launched["text"]  # rank 0's progress reached the cell
+    assert "[rank 1]" not in launched["text"]  # rank 1 printed nothing of its own
+    assert runner.leftovers() == []
+
+
+def test_a_rank_error_raises_in_the_cell_and_the_kernel_stays_usable(runner):
+    _, parallelize, failed, again = run_notebook(runner, "fail")
+    [error] = parallelize["errors"]
+    assert error["ename"] == "RuntimeError" and "multigpu.launch(train" in error["evalue"]
+    [error] = failed["errors"]
+    assert error["ename"] == "RankError", error
+    assert "rank 1 (CPU:1)" in error["evalue"] and "ValueError: rank one gives up" in error["evalue"]
+    assert "Traceback of rank 1" in error["evalue"] and "in broken" in error["evalue"]
+    assert failed["seconds"] < 60  # rank 0, training for 50 epochs, was stopped
+    assert not again["errors"] and "second launch rank 0 epochs 1" in again["text"]
+    assert runner.leftovers() == []
+
+
+def test_the_stop_button_stops_every_rank_and_raises_keyboard_interrupt(runner):
+    *_, long = run_notebook(runner, "interrupt")
+    assert [e["ename"] for e in long["errors"]] == ["KeyboardInterrupt"], long
+    assert "training" in long["text"]  # the ranks were training when the kernel was interrupted (12 s in)
+    assert long["seconds"] < 12 + 10
+    assert runner.leftovers() == []
+
+
+def test_the_example_notebook_compares_one_device_with_all(runner):
+    cells = run_notebook(runner, "example", timeout=230)
+    assert not [c["errors"] for c in cells if c["errors"]]
+    table = cells[-1]["text"]
+    rows = re.findall(r"^(one device: CPU:0|2 devices: CPU:0,CPU:1) +(\S+) +(\S+) +(\S+)x$", table, re.M)
+    assert [r[0] for r in rows] == ["one device: CPU:0", "2 devices: CPU:0,CPU:1"], table
+    real = "data: Fashion-MNIST" in table
+    for _, seconds, accuracy, _ in rows:
+        assert float(seconds) > 0 and float(accuracy) > (0.3 if real else 0.0)
+    assert runner.leftovers() == []
