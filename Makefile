@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export KERAS_BACKEND := torch
 
-.PHONY: demo test lint bench keras-suite keras-suite-jax clean
+.PHONY: demo test test-examples lint bench keras-suite keras-suite-jax clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
 
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py
+
+# Every example under examples/ end to end with --quick (an outside check, ~3 min; the notebook runs in make test).
+test-examples: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_examples.py
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_core.py

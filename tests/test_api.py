@@ -18,7 +18,8 @@ def test_import_sets_nothing(runner):
     )
     res = runner.run([sys.executable, "-c", code], extra_env={"KERAS_BACKEND": ""})
     assert res.returncode == 0, res.stdout
-    assert "['list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'state', 'world_size']" in res.stdout
+    assert ("['RankError', 'launch', 'list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'state', 'world_size']"
+            in res.stdout)
 
 
 EXPECTED = {
@@ -95,3 +96,16 @@ def test_cli_devices_json_and_bad_arguments(runner):
     assert bad.returncode == 2 and "Every ratio" in bad.stdout
     bad = runner.cli("run", "--devices", "cpu:0", "--frobnicate", "x.py")
     assert bad.returncode == 2
+
+
+def test_launch_refuses_what_it_cannot_run_saying_what_it_takes():
+    import multigpu
+
+    with pytest.raises(TypeError, match=r"takes a function to run on every device\. Received: 3"):
+        multigpu.launch(3)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['epochs'\].*Received: epochs=2"):
+        multigpu.launch(print, epochs=2)
+    import threading
+
+    with pytest.raises(TypeError, match="must be picklable"):
+        multigpu.launch(print, threading.Lock())  # a lock cannot travel to the ranks

@@ -106,6 +106,7 @@ class _Output:
         """Writes what the ranks printed so far; with ``wait``, waits up to that long for their last lines
         and writes every held line."""
         deadline = time.monotonic() + wait
+        wrote = False
         while True:
             try:
                 rank, line = self.queue.get(timeout=max(0.0, deadline - time.monotonic()) if wait else 0.0)
@@ -117,6 +118,7 @@ class _Output:
             if rank == 0:
                 sys.stdout.write(line)
                 self.seen.add(text)
+                wrote = True
             elif text.strip():
                 self.held.append((time.monotonic() + self.HOLD, rank, line, text))
         now = time.monotonic()
@@ -127,8 +129,10 @@ class _Output:
             elif text not in self.seen:
                 sys.stdout.write(f"[rank {rank}] {line}")
                 self.seen.add(text)
+                wrote = True
         self.held = keep
-        sys.stdout.flush()
+        if wrote:  # a kernel's flush wakes its output thread: only when there is something to send
+            sys.stdout.flush()
 
 
 def launch(fn, *args, devices="auto", ratios=None, **options):
@@ -219,7 +223,7 @@ def _wait(group, output: _Output) -> tuple[int, int] | None:
             return failure
         if all(p.poll() == 0 for p in group.procs):
             return None
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def _rank_error(group, folder: str, code: int, rank: int) -> RankError:

@@ -147,7 +147,7 @@ def main() -> int:
         result = run_cells(nb, NotebookClient(nb, **kw))
     elif a.mode == "interrupt":
         nb = notebook(setup, LONG)
-        result = run_cells(nb, NotebookClient(nb, **kw), interrupt_after=12.0)
+        result = run_cells(nb, NotebookClient(nb, **kw), interrupt_after=8.0)
     else:
         os.environ["MULTIGPU_NOTEBOOK_QUICK"] = "1"
         nb = nbformat.read(REPO / "examples" / "notebook.ipynb", as_version=4)
