@@ -1,7 +1,10 @@
 """Every environment variable multigpu reads or sets, in one place.
 
-Explicit arguments win over these; they exist so that the processes a run
-starts can find each other.
+They exist so that the processes a run starts can find each other, and so
+that a launcher (``multigpu run``, ``multigpu.launch``) or the environment
+can decide for a script without editing it: ``MULTIGPU_DEVICES``,
+``MULTIGPU_RATIOS``, ``MULTIGPU_TIMEOUT`` and ``MULTIGPU_TRANSPORT``, when set,
+win over the arguments the script passes to ``parallelize``.
 
 * ``MULTIGPU_RANK``, ``MULTIGPU_WORLD_SIZE``: set by the supervisor on every
   process it starts (for ``python train.py`` and ``multigpu run``).
@@ -32,6 +35,9 @@ starts can find each other.
   ``MASTER_ADDR``, ``MASTER_PORT``: read (never set) to join a group started
   by ``torchrun``.
 * ``OMP_NUM_THREADS``: set on the processes we start, to their core count.
+* ``KERAS_TORCH_DEVICE``: set on every rank multigpu starts: ``cuda:N`` for a
+  GPU rank, ``cpu`` for a CPU rank (Keras's torch backend would otherwise put
+  a CPU rank's tensors on a GPU where there is one).
 * ``KERAS_BACKEND``: ``torch`` (the default multigpu sets where unset) or ``jax``; the supervisor
   passes it on, and on ``jax`` a rank joins the run before the program runs.
 """

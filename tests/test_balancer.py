@@ -202,3 +202,20 @@ def test_waiting_for_input_is_reported_per_device_and_said_once_when_it_holds_th
         b.record(StepRecord((0.2, 0.2), (0.1, 0.1), (0.1, 0.1), (64, 64), (0.06, 0.0)))
     b.end_epoch(1)
     assert sum("the input holds the run back" in ln for ln in lines) == 1  # said once
+
+
+def test_the_profile_keeps_the_kept_shares_never_a_probe_the_search_is_trying(tmp_path):
+    profile = tmp_path / "p.json"
+    b, _ = make(profile=profile)
+    b.begin_fit(128, lambda: "sig")
+    b.calibrate(lambda: (300.0, 0.5), lambda v: [v[0], 150.0, v[2], 0.7], steps_per_epoch=100)
+    kept = b.search.base
+    for _ in range(200):  # until the search is measuring a probe away from the kept shares
+        feed(b, (300, 150), 1)
+        if tuple(b.search.ratios) != tuple(b.search.base):
+            break
+    assert tuple(b.search.ratios) != tuple(b.search.base), "the search never tried other shares"
+    probe, kept = list(b.ratios), b.search.base
+    b.end_epoch(0)
+    saved = read_profile(profile, None)["ratios"]
+    assert saved == pytest.approx(list(kept)) and saved != pytest.approx(probe)

@@ -58,6 +58,13 @@ def test_the_stop_button_stops_every_rank_and_raises_keyboard_interrupt(runner):
     assert runner.leftovers() == []
 
 
+def test_a_killed_kernel_leaves_no_process_behind(runner):
+    """A kernel that dies (a restart kills it) takes its ranks, and their loaders' workers, with it."""
+    *_, long = run_notebook(runner, "kill")
+    assert [e["ename"] for e in long["errors"]] == ["DeadKernelError"], long
+    assert runner.leftovers(wait=10.0) == []
+
+
 def test_the_example_notebook_compares_one_device_with_all(runner):
     cells = run_notebook(runner, "example", timeout=230)
     assert not [c["errors"] for c in cells if c["errors"]]

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from multigpu.runtime import rank_entry
+from multigpu.runtime import processes, rank_entry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,13 +25,13 @@ ENTRY = ["-m", "multigpu.runtime.rank_entry"]
     ],
 )
 def test_command_keeps_interpreter_options_and_arguments(orig, expected):
-    assert rank_entry.command(orig) == expected
+    assert processes.command(orig) == expected
 
 
 @pytest.mark.parametrize("orig", [["py"], ["py", "-u"], ["py", "-"], ["py", "-m"]])
 def test_command_without_a_program_is_an_error(orig):
     with pytest.raises(ValueError, match="No script, module or code"):
-        rank_entry.command(orig)
+        processes.command(orig)
 
 
 @pytest.mark.parametrize(("code", "expected"), [(None, 0), (0, 0), (7, 7), (True, 1), (256 + 3, 3), ("bye", 1)])

@@ -346,7 +346,9 @@ class LoadBalancer:
         if self.rank != 0 or not self.speeds:
             return
         path = self._profile_path()
-        entry = {"devices": [d.spec for d in self.devices], "speeds": list(self.speeds), "ratios": list(self.ratios),
+        # The shares the search keeps, never one it is trying: the next run starts where this one stood.
+        ratios = list(self.search.base) if self.search is not None else list(self.ratios)
+        entry = {"devices": [d.spec for d in self.devices], "speeds": list(self.speeds), "ratios": ratios,
                  "batch_size": self.batch_size, "measured": time.time(), "pid": os.getpid()}
         try:
             write_profile(path, self._key(), entry)

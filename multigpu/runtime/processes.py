@@ -16,7 +16,12 @@ from pathlib import Path
 
 from multigpu import env
 
+RANK_ENTRY = "multigpu.runtime.rank_entry"  # the module every rank process runs
+
+
 __all__ = [
+    "RANK_ENTRY",
+    "command",
     "die_with_parent",
     "free_port",
     "loopback_listener",
@@ -138,3 +143,36 @@ def write_failure(rank: int, reason: str) -> None:
 def read_failure(run_dir: str | os.PathLike | None, rank: int) -> str | None:
     """The reason rank ``rank`` gave for failing, or None."""
     return read_note(run_dir, rank, "failure")
+
+
+def command(orig_argv: list[str]) -> list[str]:
+    """The command line that runs the program of ``orig_argv`` as a rank (through :mod:`multigpu.runtime.rank_entry`).
+
+    Args:
+        orig_argv: the interpreter's own command line (``sys.orig_argv``).
+
+    Returns:
+        ``[python, *interpreter options, "-m", "multigpu.runtime.rank_entry", kind, target, *args]``.
+
+    Raises:
+        ValueError: when ``orig_argv`` names no script, module or code.
+    """
+    options: list[str] = []
+    i = 1
+    while i < len(orig_argv):
+        item = orig_argv[i]
+        if item in ("-c", "-m"):
+            if i + 1 >= len(orig_argv):
+                break
+            kind = "code" if item == "-c" else "module"
+            return [orig_argv[0], *options, "-m", RANK_ENTRY, kind, orig_argv[i + 1], *orig_argv[i + 2 :]]
+        if item == "-":
+            break  # a program read from standard input cannot be read again
+        if not item.startswith("-"):
+            return [orig_argv[0], *options, "-m", RANK_ENTRY, "script", item, *orig_argv[i + 1 :]]
+        options.append(item)
+        if item in ("-W", "-X", "--check-hash-based-pycs") and i + 1 < len(orig_argv):
+            options.append(orig_argv[i + 1])
+            i += 1
+        i += 1
+    raise ValueError(f"No script, module or code to run again in the command line {orig_argv!r}.")

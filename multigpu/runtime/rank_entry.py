@@ -33,39 +33,6 @@ import types
 KINDS = ("script", "module", "code", "call")
 
 
-def command(orig_argv: list[str]) -> list[str]:
-    """The command line that runs the program of ``orig_argv`` through this module.
-
-    Args:
-        orig_argv: the interpreter's own command line (``sys.orig_argv``).
-
-    Returns:
-        ``[python, *interpreter options, "-m", "multigpu.runtime.rank_entry", kind, target, *args]``.
-
-    Raises:
-        ValueError: when ``orig_argv`` names no script, module or code.
-    """
-    options: list[str] = []
-    i = 1
-    while i < len(orig_argv):
-        item = orig_argv[i]
-        if item in ("-c", "-m"):
-            if i + 1 >= len(orig_argv):
-                break
-            kind = "code" if item == "-c" else "module"
-            return [orig_argv[0], *options, "-m", __name__, kind, orig_argv[i + 1], *orig_argv[i + 2 :]]
-        if item == "-":
-            break  # a program read from standard input cannot be read again
-        if not item.startswith("-"):
-            return [orig_argv[0], *options, "-m", __name__, "script", item, *orig_argv[i + 1 :]]
-        options.append(item)
-        if item in ("-W", "-X", "--check-hash-based-pycs") and i + 1 < len(orig_argv):
-            options.append(orig_argv[i + 1])
-            i += 1
-        i += 1
-    raise ValueError(f"No script, module or code to run again in the command line {orig_argv!r}.")
-
-
 def _run(kind: str, target: str, args: list[str]) -> None:
     if kind == "script":
         sys.argv = [target, *args]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from multigpu import env
 from multigpu.devices import Device, assign_cores, cuda_device_count, parse_devices
-from multigpu.runtime.processes import write_failure
+from multigpu.runtime.processes import command, write_failure
 
 __all__ = ["Runtime", "current", "fail", "rank", "rerun_command", "start", "world_size"]
 
@@ -120,9 +120,7 @@ def rerun_command() -> list[str]:
             "    history = multigpu.launch(train, devices=[\"cpu:0\", \"cpu:1\"])\n\n"
             "(or put the code in a script and run it with `python train.py` or `multigpu run`)."
         )
-    from multigpu.runtime import rank_entry
-
-    return rank_entry.command([sys.executable, *argv])
+    return command([sys.executable, *argv])
 
 
 def _timeout(value) -> float:

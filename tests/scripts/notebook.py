@@ -3,6 +3,7 @@
     python notebook.py exact OUT.json [--backend jax]   # launch at 3:1 against one device in the kernel
     python notebook.py fail OUT.json                    # a rank raises; then a second launch in the same kernel
     python notebook.py interrupt OUT.json               # the stop button during fit
+    python notebook.py kill OUT.json                    # the kernel killed during fit (a restart, a crash)
     python notebook.py example OUT.json                 # examples/notebook.ipynb, quick
 
 Writes what the cells printed and raised, and the checks' numbers, to OUT.json.  The kernel
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, DeadKernelError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,8 +109,9 @@ def outputs(cell) -> dict:
     return {"text": text, "errors": errors}
 
 
-def run_cells(nb, client: NotebookClient, interrupt_after: float | None = None) -> list[dict]:
-    """Executes the cells one by one; with ``interrupt_after``, interrupts the last cell that many seconds in."""
+def run_cells(nb, client: NotebookClient, interrupt_after: float | None = None, kill: bool = False) -> list[dict]:
+    """Executes the cells one by one; with ``interrupt_after``, interrupts the last cell that many seconds in
+    (``kill``: kills the kernel then)."""
     results = []
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):
@@ -119,19 +121,26 @@ def run_cells(nb, client: NotebookClient, interrupt_after: float | None = None) 
 
                 # As Jupyter's stop button does (jupyter_client's LocalProvisioner): SIGINT to the kernel's
                 # process group, which holds the ranks the kernel started too.
-                pgid = os.getpgid(client.km.provisioner.process.pid)
-                threading.Timer(interrupt_after, os.killpg, args=(pgid, signal.SIGINT)).start()
+                pid = client.km.provisioner.process.pid
+                if kill:  # the kernel alone dies, as when it crashes or a restart kills it
+                    threading.Timer(interrupt_after, os.kill, args=(pid, signal.SIGKILL)).start()
+                else:
+                    threading.Timer(interrupt_after, os.killpg, args=(os.getpgid(pid), signal.SIGINT)).start()
             try:
                 client.execute_cell(cell, index)
             except CellExecutionError:
                 pass
+            except DeadKernelError as exc:
+                results.append({"text": "", "errors": [{"ename": "DeadKernelError", "evalue": str(exc)}],
+                                "seconds": time.monotonic() - started})
+                return results
             results.append({**outputs(cell), "seconds": time.monotonic() - started})
     return results
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["exact", "fail", "interrupt", "example"])
+    p.add_argument("mode", choices=["exact", "fail", "interrupt", "kill", "example"])
     p.add_argument("out")
     p.add_argument("--backend", default="torch")
     a = p.parse_args()
@@ -145,9 +154,9 @@ def main() -> int:
     elif a.mode == "fail":
         nb = notebook(setup, PARALLELIZE, FAIL, AGAIN)
         result = run_cells(nb, NotebookClient(nb, **kw))
-    elif a.mode == "interrupt":
+    elif a.mode in ("interrupt", "kill"):
         nb = notebook(setup, LONG)
-        result = run_cells(nb, NotebookClient(nb, **kw), interrupt_after=8.0)
+        result = run_cells(nb, NotebookClient(nb, **kw), interrupt_after=8.0, kill=a.mode == "kill")
     else:
         os.environ["MULTIGPU_NOTEBOOK_QUICK"] = "1"
         nb = nbformat.read(REPO / "examples" / "notebook.ipynb", as_version=4)

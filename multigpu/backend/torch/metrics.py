@@ -3,7 +3,7 @@
 Keras metric states are sums and counts, so summing every rank's states and
 then calling ``result()`` gives the metric over the global batch, weighted by
 samples.  A step's logs become global in the collective the step does anyway
-(the gradient sum, for the built-in step): :class:`StepLogs` packs the metric
+(the gradient sum, for the built-in step): :meth:`GlobalMetrics.pack` packs the metric
 states, any other scalar the step logs (as a sum of value times rows, so the
 result is the rows-weighted mean) and the step timings into one vector, and
 reads the logs back from its sum.  The local states stay local, so the next
