@@ -65,8 +65,11 @@ def test_a_killed_kernel_leaves_no_process_behind(runner):
     assert runner.leftovers(wait=10.0) == []
 
 
-def test_the_example_notebook_compares_one_device_with_all(runner):
-    cells = run_notebook(runner, "example", timeout=230)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_example_notebook_compares_one_device_with_all(runner, backend):
+    if backend == "jax":
+        pytest.importorskip("jax")
+    cells = run_notebook(runner, "example", "--backend", backend, extra_env=BACKENDS[backend], timeout=230)
     assert not [c["errors"] for c in cells if c["errors"]]
     table = cells[-1]["text"]
     rows = re.findall(r"^(one device: CPU:0|2 devices: CPU:0,CPU:1) +(\S+) +(\S+) +(\S+)x$", table, re.M)
