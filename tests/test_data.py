@@ -233,3 +233,25 @@ def test_bad_inputs_say_what_was_received():
 def test_validation_split_takes_the_last_rows_as_keras_does():
     (_, ty), (_, vy) = validation_split((np.arange(10)[:, None], np.arange(10)), 0.2)
     assert list(ty) == list(range(8)) and list(vy) == [8, 9]
+
+
+def test_a_dataloader_over_keys_that_are_not_integers_is_cut_the_same_way():
+    from multigpu.data.loader import LoaderSource
+
+    class Named(torch.utils.data.Dataset):
+        def __getitem__(self, key):
+            return torch.tensor([float(int(key[1:]))]), int(key[1:])
+
+        def __len__(self):
+            return 10
+
+    class Comm:
+        def gather_objects(self, obj, what=""):
+            return [obj, obj]
+
+    keys = [[f"k{i}" for i in range(j, min(j + 4, 10))] for j in range(0, 10, 4)]
+    loaders = [torch.utils.data.DataLoader(Named(), batch_sampler=keys) for _ in range(2)]
+    got = []
+    for r, (loader, p) in enumerate(zip(loaders, planners())):
+        got.append([[int(v) for v in b[1]] for b in LoaderSource(loader, Comm(), r).batches(p.plan)])
+    assert got == [[[0, 1, 2], [4, 5, 6], [8]], [[3], [7], [9]]]  # 2 rows at 3:1: one each

@@ -21,6 +21,7 @@ removes whatever is left.  The folder's files of a run share the prefix
 
 from __future__ import annotations
 
+import errno
 import glob
 import mmap
 import os
@@ -121,8 +122,16 @@ class Pass:
                     views.pop(0)
                 if views and written:
                     views[0] = views[0][written:]
-        finally:
+        except OSError as exc:
             os.close(fd)
+            os.unlink(tmp)
+            if exc.errno == errno.ENOSPC:
+                size = sum(memoryview(p).nbytes for p in parts)
+                raise OSError(exc.errno, f"{os.path.dirname(path)} is full: a global batch of {size / 2**20:.1f} MiB "
+                              "(and a few ahead of the step) does not fit; give it more room (Docker: --shm-size) "
+                              "or use smaller batches") from exc
+            raise
+        os.close(fd)
         os.rename(tmp, path)
 
     def _path(self, index: int) -> str:

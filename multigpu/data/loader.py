@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import pickle
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -77,9 +78,14 @@ class ShareBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         self.plans.clear()
-        drawn = [np.asarray(b, dtype=np.int64).reshape(-1) for b in self.batches]
-        lengths = np.asarray([len(b) for b in drawn], dtype=np.int64)
-        flat = np.concatenate(drawn) if drawn else np.zeros(0, np.int64)
+        batches = [list(b) for b in self.batches]
+        lengths = np.asarray([len(b) for b in batches], dtype=np.int64)
+        items = [i for b in batches for i in b]
+        try:
+            flat = np.asarray(items, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):  # keys that are not integers (a dataset indexed otherwise)
+            flat = np.empty(len(items), dtype=object)
+            flat[:] = items
         flat, lengths = self.agree(flat, lengths)
         start = 0
         for length in lengths.tolist():
@@ -103,7 +109,8 @@ def _agree_with(comm, rank: int) -> Callable:
     said = []
 
     def agree(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        digest = hashlib.blake2b(flat.tobytes() + b"|" + lengths.tobytes(), digest_size=8).hexdigest()
+        data = pickle.dumps(flat.tolist()) if flat.dtype == object else flat.tobytes()
+        digest = hashlib.blake2b(data + b"|" + lengths.tobytes(), digest_size=8).hexdigest()
         if len(set(comm.gather_objects(digest, "comparing the DataLoader's batches"))) == 1:
             return flat, lengths
         if rank == 0 and not said:

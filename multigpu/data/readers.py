@@ -68,8 +68,15 @@ class _Reader:
         except StoppedError:
             pass
         except BaseException as exc:  # any error of the user's loader ends the run at its batch
-            if not self.stop.is_set():
+            if self.stop.is_set():
+                return
+            try:
                 self.pass_.publish_error(self.next, self.host.label, exc)
+            except BaseException as failed:  # the other ranks cannot be told: end this rank, which ends the run
+                from multigpu.runtime import fail
+
+                fail(f"reading global batch {self.next} failed ({type(exc).__name__}: {exc}), and saying so to "
+                     f"the other ranks failed too ({type(failed).__name__}: {failed})")
 
     def close(self, timeout: float = 10.0) -> None:
         self.stop.set()
