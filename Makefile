@@ -30,7 +30,7 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py
 
-# Every example under examples/ end to end with --quick (an outside check, ~3 min; the notebook runs in make test).
+# Every example under examples/ end to end with --quick (an outside check, ~2 min; the notebook runs in make test).
 test-examples: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_examples.py
 

@@ -11,7 +11,6 @@ Modes:
               evaluate and predict (with --steps-per-execution N: N batches a call)
   sync_bn     BatchNorm model, sync_batchnorm=True (exact against one device)
   shared_bn   one BatchNorm layer applied in two parallel branches, sync_batchnorm=True
-  inputs      the same training fed as a PyDataset, a generator and a DataLoader
 """
 
 import argparse
@@ -148,49 +147,7 @@ def shared_bn(a):
     save(a, rank, history=hist.history, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
 
 
-class Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch):
-        super().__init__()
-        self.x, self.y, self.batch = x, y, batch
-
-    def __len__(self):
-        return (len(self.x) + self.batch - 1) // self.batch
-
-    def __getitem__(self, i):
-        s = slice(i * self.batch, (i + 1) * self.batch)
-        return self.x[s], self.y[s]
-
-
-def inputs(a):
-    import torch
-
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(90, 4)).astype("float32")
-    y = (x[:, 0] > 0).astype("int64")
-    results = {}
-    for kind in ("pydataset", "generator", "dataloader"):
-        keras.utils.set_random_seed(6)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(2, activation="softmax")])
-        if kind == "pydataset":
-            model, rank = parallel(model, a)
-            data = Batches(x, y, 32)
-        elif kind == "generator":
-            data = (Batches(x, y, 32)[i] for i in range(3))
-        else:
-            data = torch.utils.data.DataLoader(
-                torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=32
-            )
-        if kind != "pydataset":
-            model, rank = parallel(model, a)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
-        model.fit(data, epochs=1, verbose=0, shuffle=False)
-        results[kind] = np.concatenate([w.ravel() for w in model.get_weights()])
-    save(a, rank, **results)
-
-
-MODES = {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "shared_bn": shared_bn,
-         "inputs": inputs}
+MODES = {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "shared_bn": shared_bn}
 
 
 def main():
