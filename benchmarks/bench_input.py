@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from multigpu.runtime.processes import free_port  # noqa: E402
+
 WORKER = str(ROOT / "benchmarks" / "_input_worker.py")
 CASES = ["arrays-none", "pyds-io", "pyds-cpu", "loader-io", "loader-cpu", "gen-io", "pyds-io-slow"]
 CONFIGS = {"single": "single", "mg2": "mg2", "ddp": "ddp"}
@@ -42,12 +45,6 @@ CONFIGS = {"single": "single", "mg2": "mg2", "ddp": "ddp"}
 def _env() -> dict:
     return dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
                 PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(commands: list[tuple[list[str], dict, object]], out: Path, timeout: float) -> dict:
@@ -92,7 +89,7 @@ def run_config(case: str, config: str, steps: int, warmup: int, gen_wait: float,
         if config == "single":
             commands = [([sys.executable, WORKER, *args], env, _pin(0))]
         elif config == "ddp":
-            port = _free_port()
+            port = free_port()
             commands = [([sys.executable, WORKER, *args, "--ddp"],
                          dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                               GLOO_SOCKET_IFNAME="lo"), None) for r in range(2)]
