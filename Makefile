@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml Makefile
 	# jax's CPU build for the JAX backend (KERAS_BACKEND=jax) and its tests.
 	$(BIN)/pip install --quiet "torch==2.13.0" "jax[cpu]==0.10.2"
 	$(BIN)/pip install --quiet -e ".[test]"
+	# keras-hub for the tests of its tasks, without TensorFlow: --no-deps leaves out its tensorflow-text
+	# requirement (used only by its TF tokenizers), and the rest of what it imports comes after.
+	$(BIN)/pip install --quiet --no-deps "keras-hub==0.32.0"
+	$(BIN)/pip install --quiet absl-py regex rich tokenizers sentencepiece kagglehub grain
 	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)

@@ -56,14 +56,25 @@ def _is_torch_loader(x) -> bool:
     )
 
 
+def _is_grain_dataset(x) -> bool:
+    return any(c.__module__.startswith("grain") and c.__name__ in ("MapDataset", "IterDataset")
+               for c in type(x).__mro__)
+
+
 def input_kind(x) -> str:
-    """``"arrays"``, ``"pydataset"``, ``"generator"``, ``"dataloader"`` or ``"other"``."""
+    """``"arrays"``, ``"pydataset"``, ``"generator"``, ``"dataloader"``, ``"grain"`` or ``"other"``.
+
+    A grain dataset is what keras-hub's tasks build in their own ``fit``
+    (batched and preprocessed), and one Keras itself takes.
+    """
     if is_array_data(x):
         return "arrays"
     if isinstance(x, keras.utils.PyDataset):
         return "pydataset"
     if _is_torch_loader(x):
         return "dataloader"
+    if _is_grain_dataset(x):
+        return "grain"
     if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
         return "generator"
     return "other"

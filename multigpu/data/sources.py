@@ -38,7 +38,8 @@ def source_for(x, y, sample_weight, batch_size, shuffle, seed: int, what: str, h
     if kind == "other":
         raise TypeError(
             f"{what}: multigpu takes NumPy arrays or torch tensors (alone, or in lists and dicts), "
-            f"a keras.utils.PyDataset, a Python generator or a torch DataLoader. Received: x of type {type(x).__name__}"
+            "a keras.utils.PyDataset, a Python generator, a torch DataLoader or a batched grain dataset. "
+            f"Received: x of type {type(x).__name__}"
         )
     if y is not None or sample_weight is not None:
         raise ValueError(f"{what}: with a {kind}, `y` and `sample_weight` come from the data; pass None. "

@@ -1,7 +1,8 @@
 """``fit``, ``evaluate``, ``predict`` and the ``*_on_batch`` methods of a parallel model.
 
 Each one cuts the user's data into this rank's shares (:mod:`multigpu.keras.data`)
-and hands them to Keras's own method, so Keras's loop, callbacks, History and
+and hands them to Keras's own method (after the model class's own method,
+when it has one: :mod:`multigpu.keras.own_loops`), so Keras's loop, callbacks, History and
 progress bar run unchanged, once per global batch on every rank.  ``batch_size``
 is the global batch.  ``predict`` and ``predict_on_batch`` gather every rank's
 rows afterwards, so every rank returns all rows in their original order.
@@ -18,6 +19,7 @@ from multigpu.data.sources import source_for
 from multigpu.keras import _compat
 from multigpu.keras.callbacks import EpochHooks, for_rank
 from multigpu.keras.data import ShardedData
+from multigpu.keras.own_loops import own_methods, routed
 
 __all__ = ["Loops"]
 
@@ -59,11 +61,25 @@ class Loops:
         self.rank = parallel.runtime.rank
         self.world_size = parallel.runtime.world_size
         self.keras = parallel.keras
+        self.own = own_methods(parallel.model)
 
     def methods(self) -> dict:
-        return {"fit": self.fit, "evaluate": self.evaluate, "predict": self.predict,
+        ours = {"fit": self.fit, "evaluate": self.evaluate, "predict": self.predict,
                 "train_on_batch": self.train_on_batch, "test_on_batch": self.test_on_batch,
                 "predict_on_batch": self.predict_on_batch}
+        return {name: self._after_own(name, method) if name in self.own else method for name, method in ours.items()}
+
+    def _after_own(self, name: str, ours):
+        """The class's own ``name``, whose ``super()`` call reaches ``ours``."""
+        own = self.own[name]
+
+        def method(*args, **kwargs):
+            with routed(self.parallel.model, name, ours):
+                return own(*args, **kwargs)
+
+        method.__name__ = name
+        method.__doc__ = ours.__doc__
+        return method
 
     def _verbose(self, verbose):
         return verbose if self.rank == 0 else 0

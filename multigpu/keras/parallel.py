@@ -24,6 +24,7 @@ from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
 from multigpu.keras.loops import Loops
+from multigpu.keras.own_loops import base_methods
 from multigpu.keras.saving import atomic_save, route_public_saving
 from multigpu.planning.shares import capped_split
 
@@ -101,6 +102,7 @@ class ParallelModel:
         self.timing = StepTiming(runtime.rank, runtime.world_size)
         cls = type(model)
         self.keras = {name: getattr(cls, name).__get__(model, cls) for name in _KERAS_METHODS}
+        self.keras.update(base_methods(model))  # the loops call Keras's own; a class's own come first
         self.steps = backend.get().Steps(self)
         self.loops = Loops(self)
 

@@ -1,0 +1,73 @@
+"""keras-hub tasks train through their own ``fit``/``evaluate``/``predict``: exact against one plain process.
+
+``scripts/hub_tasks.py`` trains a ``BertTextClassifier`` with its tokenizing
+preprocessor on strings and a ``GPT2CausalLM`` on token arrays with the
+padding mask as sample weight, both built from a config; the task builds its
+grain dataset and preprocesses each global batch on one rank per machine.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import SCRIPTS
+from tests.test_inputs import BACKENDS, _input_files, load
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytest.importorskip("keras_hub", reason="keras-hub's tasks need keras-hub (make test installs it)")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One plain run per backend, made when a test first needs it."""
+    made = {}
+
+    def get(backend):
+        if backend not in made:
+            made[backend] = _reference(backend, tmp_path_factory.mktemp(f"hub-{backend}"))
+        return made[backend]
+
+    return get
+
+
+def _reference(backend, folder):
+    if backend == "jax":
+        pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
+    env = {**os.environ, **BACKENDS[backend], "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run([sys.executable, str(SCRIPTS / "hub_tasks.py"), str(folder / "plain.npz"), "--plain"],
+                         capture_output=True, check=False, text=True, timeout=150, env=env, cwd=folder)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return load(folder / "plain.npz")
+
+
+# JAX at 3:1 only: three JAX ranks on two cores take a minute, and torch covers 1:2:5.
+@pytest.mark.parametrize(("backend", "ratios"), [("torch", "3,1"), ("torch", "1,2,5"), ("jax", "3,1")])
+def test_keras_hub_tasks_reproduce_one_device(runner, references, backend, ratios):
+    plain = references(backend)
+    n = len(ratios.split(","))
+    out = runner.tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
+                     str(SCRIPTS / "hub_tasks.py"), str(out), extra_env=BACKENDS[backend], timeout=200)
+    assert res.returncode == 0, res.stdout
+    got = load(out)
+    for task in ("classifier", "lm"):
+        assert np.abs(got[task] - plain[task]).max() <= 1e-5 * np.abs(plain[task]).max(), task
+        for key, values in plain[f"{task}_history"].items():
+            np.testing.assert_allclose(got[f"{task}_history"][key], values, rtol=1e-5, err_msg=f"{task} {key}")
+        for key, value in plain[f"{task}_evaluate"].items():
+            assert got[f"{task}_evaluate"][key] == pytest.approx(value, rel=1e-5), f"{task} {key}"
+        np.testing.assert_allclose(got[f"{task}_predict"], plain[f"{task}_predict"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["lm_generate"], plain["lm_generate"])
+    # The task's preprocessing runs on rank 0 only, once per global batch; the other ranks run it once per
+    # dataset the task builds (keras-hub's probe of the first batch: fit's two, evaluate's and predict's).
+    assert int(got["preprocess_calls"]) > 4
+    for r in range(1, n):
+        other = load(f"{out}.rank{r}.npz")
+        assert int(other["preprocess_calls"]) == 4
+        for key in ("classifier", "lm", "classifier_predict", "lm_predict"):
+            np.testing.assert_array_equal(other[key], got[key])
+    assert runner.leftovers() == []
+    assert not _input_files()
