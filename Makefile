@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export KERAS_BACKEND := torch
 
-.PHONY: demo test test-examples lint bench keras-suite keras-suite-jax clean
+.PHONY: demo test test-examples lint bench compat keras-suite keras-suite-jax clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test-examples: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_core.py
 
+# The versions pyproject.toml claims, run: one virtual environment per corner under .compat/ (lowest: Keras 3.10,
+# torch 2.4, jax 0.4.30; newest: keras-nightly, keras-hub-nightly, torch 2.14, jax 0.10), each running the
+# exactness, JAX, keras-hub and keras.applications tests; writes compat/RESULTS.md (an outside check, ~20 min
+# the first time, 12 GB of environments).
+compat:
+	bash compat/run.sh
+
 # Keras's own trainer, callback and saving tests with every model parallelized (an outside check, ~min).
 keras-suite: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS.md
@@ -50,4 +57,4 @@ keras-suite-jax: $(STAMP)
 	KERAS_BACKEND=jax OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS-jax.md
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .compat *.egg-info .pytest_cache .ruff_cache

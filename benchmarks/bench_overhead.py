@@ -2,6 +2,8 @@
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_overhead.py          # ~15 min
     ... benchmarks/bench_overhead.py --cases mlp:0.5:64 --steps-scale 0.5                         # one case
+    ... benchmarks/bench_overhead.py --suite transformers     # keras-hub BERT and GPT-2 at batch 64 and 256
+    ... benchmarks/bench_overhead.py --suite applications     # keras.applications models at batch 64
 
 For each case (model:width:global batch), one after another, each configuration in fresh
 processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each), in
@@ -40,6 +42,13 @@ from multigpu.bench.runs import run_config  # noqa: E402
 
 # model, width, global batch, timed steps (the table, plus gru and convnet)
 CASES = ["mlp:0.5:64:80", "mlp:0.5:512:30", "dense41m:1:256:8", "gru:1:64:40", "convnet:0.25:256:12"]
+SUITES = {
+    "default": CASES,
+    # small keras-hub backbones (2 layers, hidden 64, 32 tokens) built from a config
+    "transformers": ["bert:1:64:40", "bert:1:256:12", "gpt2:1:64:40", "gpt2:1:256:12"],
+    # keras.applications, weights=None, 32x32x3 images
+    "applications": ["mobilenetv3small:1:64:20", "efficientnetb0:1:64:10", "resnet50:1:64:6"],
+}
 CONFIGS = {
     "single": {"mode": "single", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
     "mg1": {"mode": "solo", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
@@ -110,7 +119,8 @@ def replay_table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", nargs="+", default=CASES, help="model:width:batch[:steps]")
+    p.add_argument("--cases", nargs="+", default=None, help="model:width:batch[:steps] (default: the suite's)")
+    p.add_argument("--suite", default="default", choices=sorted(SUITES), help="a named set of cases")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
@@ -119,7 +129,8 @@ def main() -> int:
     configs = a.configs.split(",")
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
-    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds) for c in a.cases]
+    cases = a.cases or SUITES[a.suite]
+    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds) for c in cases]
     if set(DEFAULT_CONFIGS) <= set(configs):
         print("\n" + ratio_table(results))
     if {"mg2", "mg2-keras"} <= set(configs):

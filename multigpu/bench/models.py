@@ -7,7 +7,12 @@ script did, and makes synthetic data of its input shape (no downloads):
 * ``mlp``: 784-1024-1024-10;
 * ``gru``: a stacked GRU classifier on sequences;
 * ``maxing``: a convnet with far more layers than it needs, to load devices;
-* ``dense41m``: the 41-million-parameter dense network (8000 inputs).
+* ``dense41m``: the 41-million-parameter dense network (8000 inputs);
+* ``bert``, ``gpt2``: small keras-hub backbones built from a config (2 layers,
+  hidden 64, 32 tokens; needs keras-hub), a classifier and a causal language
+  model on token ids;
+* ``resnet50``, ``mobilenetv3small``, ``efficientnetb0``: ``keras.applications``
+  models with ``weights=None`` on 32x32 images, 10 classes.
 
 A user's own model is named ``path/to/file.py:build_fn``; ``build_fn()``
 returns a Keras model (compiled or not).
@@ -106,6 +111,56 @@ def dense41m(width: float = 1.0):
     ], name="dense41m")
 
 
+SEQ, VOCAB = 32, 1000
+
+
+def bert(width: float = 1.0, classes: int = 4):
+    """keras-hub's ``BertBackbone`` (2 layers, hidden 64) under a ``Dense`` head, on token ids (0 pads)."""
+    import keras
+    import keras_hub
+
+    tokens = keras.Input((SEQ,), dtype="int32", name="token_ids")
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                                             hidden_dim=_w(64, width), intermediate_dim=_w(128, width),
+                                             max_sequence_length=SEQ)
+    pooled = backbone({"token_ids": tokens, "segment_ids": keras.ops.zeros_like(tokens),
+                       "padding_mask": keras.ops.not_equal(tokens, 0)})["pooled_output"]
+    return keras.Model(tokens, keras.layers.Dense(classes, activation="softmax")(pooled), name="bert")
+
+
+def gpt2(width: float = 1.0):
+    """keras-hub's ``GPT2Backbone`` (2 layers, hidden 64) with a next-token head, on token ids (0 pads)."""
+    import keras
+    import keras_hub
+
+    tokens = keras.Input((SEQ,), dtype="int32", name="token_ids")
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2,
+                                             hidden_dim=_w(64, width), intermediate_dim=_w(128, width),
+                                             max_sequence_length=SEQ)
+    hidden = backbone({"token_ids": tokens, "padding_mask": keras.ops.not_equal(tokens, 0)})
+    return keras.Model(tokens, keras.layers.Dense(VOCAB)(hidden), name="gpt2")
+
+
+def _tokens_data(next_token: bool, classes: int = 4):
+    def make(rows: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(1, VOCAB, size=(rows, SEQ + 1)).astype("int32")
+        if next_token:
+            return ids[:, :-1], ids[:, 1:].astype("int64")
+        return ids[:, :-1], (ids[:, 0] % classes).astype("int64")
+    return make
+
+
+def application(name: str):
+    """A ``keras.applications`` model with ``weights=None`` on 32x32x3 images, 10 classes."""
+    def build(width: float = 1.0):
+        import keras
+
+        kwargs = {"dropout_rate": 0.0} if name == "MobileNetV3Small" else {}
+        return getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=10, **kwargs)
+    return build
+
+
 def _classes_data(shape, classes, onehot=False):
     def make(rows: int, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -127,13 +182,20 @@ def _binary_data(rows: int, seed: int = 0):
     return x, (x[:, 0] > 0).astype("float32")[:, None]
 
 
+def _logits_loss():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
 def _compile(loss, optimizer, metrics=("accuracy",)):
+    """Compiles with ``loss`` (a name, or a function making the loss once Keras is imported)."""
     def apply(model):
         import keras
 
         opt = {"rmsprop": keras.optimizers.RMSprop, "adam": keras.optimizers.Adam,
                "sgd": keras.optimizers.SGD}[optimizer]()
-        model.compile(optimizer=opt, loss=loss, metrics=list(metrics))
+        model.compile(optimizer=opt, loss=loss() if callable(loss) else loss, metrics=list(metrics))
     return apply
 
 
@@ -145,6 +207,12 @@ _BUILTIN = {
     "maxing": ModelSpec("maxing", maxing, _classes_data((32, 32, 3), 10),
                         _compile("sparse_categorical_crossentropy", "adam")),
     "dense41m": ModelSpec("dense41m", dense41m, _binary_data, _compile("binary_crossentropy", "adam")),
+    "bert": ModelSpec("bert", bert, _tokens_data(False), _compile("sparse_categorical_crossentropy", "adam")),
+    "gpt2": ModelSpec("gpt2", gpt2, _tokens_data(True),
+                      _compile(_logits_loss, "adam", metrics=())),
+    **{name.lower(): ModelSpec(name.lower(), application(name), _classes_data((32, 32, 3), 10),
+                               _compile("sparse_categorical_crossentropy", "sgd"))
+       for name in ("ResNet50", "MobileNetV3Small", "EfficientNetB0")},
 }
 
 

@@ -10,7 +10,9 @@ Kinds of run (``mode``):
 * ``ddp``: PyTorch DDP driving the same Keras model with equal shares and its
   own training loop, as Keras's guide for the torch backend does;
 * ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP and metrics
-  summed over ranks, equal shares: what Keras's next release does by itself;
+  summed over ranks, equal shares: what Keras 3.16 does by itself, written out;
+* ``keras-fit-ddp`` (torch, Keras 3.16 and newer): Keras's own ``fit`` under a
+  torch process group, which wraps the model in DDP itself, equal shares;
 * ``keras-dp`` (JAX): Keras's own ``keras.distribution.DataParallel`` in one
   process whose CPU is split into one XLA host device per listed device,
   equal shares, on the listed devices' cores (``capacity``: CPU time in cores);
@@ -35,7 +37,7 @@ from pathlib import Path
 
 __all__ = ["MODES", "run_config", "solo_devices_config"]
 
-MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-dp", "keras-dp-procs", "calibrate")
+MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "calibrate")
 
 
 def _pinned(cores):

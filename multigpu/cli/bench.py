@@ -15,7 +15,8 @@ from pathlib import Path
 from multigpu.planning.shares import parse_ratios
 
 BASELINES = {"single": "plain model.fit on one device", "ddp": "PyTorch DDP loop, equal shares",
-             "keras-ddp": "Keras fit wrapped in DDP, equal shares"}
+             "keras-ddp": "Keras fit wrapped in DDP, equal shares",
+             "keras-fit-ddp": "Keras 3.16's own DDP fit under a process group, equal shares"}
 
 
 def add_parser(sub) -> None:

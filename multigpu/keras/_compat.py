@@ -25,6 +25,7 @@ __all__ = [
     "compile_metrics",
     "compute_loss",
     "flatten_layers",
+    "keras_version",
     "loss_tracker",
     "named_results",
     "optimizer_variables",
@@ -33,7 +34,7 @@ __all__ = [
     "silence_backup_saving",
 ]
 
-TESTED = ((3, 10), (3, 16))  # [first, last) minor versions the suite ran with
+TESTED = ((3, 10), (3, 17))  # [first, last) minor versions the suite ran with (make compat); pyproject.toml agrees
 
 try:  # the base class Keras accepts as input as-is (get_data_adapter returns it unchanged)
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
@@ -50,7 +51,8 @@ except ImportError as exc:  # pragma: no cover - depends on the Keras release
     _IMPORT_ERROR = _IMPORT_ERROR or exc
 
 
-def _version() -> tuple[int, int]:
+def keras_version() -> tuple[int, int]:
+    """Keras's (major, minor) version."""
     parts = keras.__version__.split(".")
     return int(parts[0]), int(parts[1])
 
@@ -77,14 +79,23 @@ def check() -> None:
     if missing:
         raise RuntimeError(
             f"multigpu needs Keras internals that Keras {keras.__version__} does not have: {', '.join(missing)}. "
-            f"multigpu is tested with Keras {TESTED[0][0]}.{TESTED[0][1]} to {TESTED[1][0]}.{TESTED[1][1] - 1}; "
-            "install one of those (pip install 'keras>=3.10,<3.16')."
+            f"multigpu is tested with Keras {_tested()}; install one of those (pip install '{_requirement()}')."
         )
-    if not TESTED[0] <= _version() < TESTED[1]:
+    if not TESTED[0] <= keras_version() < TESTED[1]:
         import warnings
 
-        warnings.warn(f"multigpu is tested with Keras 3.10 to 3.15; this is Keras {keras.__version__}.",
+        warnings.warn(f"multigpu is tested with Keras {_tested()}; this is Keras {keras.__version__}.",
                       stacklevel=3)
+
+
+def _tested() -> str:
+    (a, b), (c, d) = TESTED
+    return f"{a}.{b} to {c}.{d - 1}"
+
+
+def _requirement() -> str:
+    (a, b), (c, d) = TESTED
+    return f"keras>={a}.{b},<{c}.{d}"
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training: bool = True):

@@ -35,7 +35,7 @@ def _to_backend(batch):
             a = a.numpy()  # a DataLoader's tensors, for JAX
         return keras.ops.convert_to_tensor(a)
 
-    return keras.tree.map_structure(convert, batch, none_is_leaf=False)
+    return keras.tree.map_structure(convert, batch)
 
 
 _Base = _compat.DataAdapter if _compat.DataAdapter is not None else object
@@ -106,7 +106,9 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
     def get_numpy_iterator(self):
         return self._lazy(convert=False)
 
-    def get_jax_iterator(self):
+    def get_jax_iterator(self, super_batch=None):
+        # Keras 3.16 asks for ``steps_per_execution`` batches stacked into one; multigpu's JAX step takes its
+        # batches one at a time (each is a step of its own: plan, collective, timing), so they come unstacked.
         return self._lazy(convert=True)
 
     def get_tf_dataset(self):  # pragma: no cover - multigpu runs on torch and JAX

@@ -32,16 +32,23 @@ def process_group_backend(runtime) -> str:
     return "nccl" if all(d.is_cuda for d in runtime.devices) else "gloo"
 
 
+def _store(runtime, fd: str | None):
+    """The run's TCPStore; rank 0 serves it on the supervisor's socket ``fd``."""
+    args = (os.environ[env.MASTER_ADDR], int(os.environ[env.MASTER_PORT]), runtime.world_size, fd is not None,
+            datetime.timedelta(seconds=runtime.timeout))
+    extra = {"master_listen_fd": int(fd)} if fd is not None else {}
+    if fd is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
+        extra["use_libuv"] = False  # torch < 2.5: its libuv store cannot serve a socket it did not open
+    return dist.TCPStore(*args, wait_for_workers=False, **extra)
+
+
 def join(runtime) -> None:
     """Joins the run's process group (and, under torchrun, learns every rank's device)."""
     kwargs = {"backend": process_group_backend(runtime), "rank": runtime.rank, "world_size": runtime.world_size,
               "timeout": datetime.timedelta(seconds=runtime.timeout)}
     if runtime.mode == "launched":  # rank 0 serves the store on the socket the supervisor opened
         fd = os.environ.pop(env.STORE_FD, None)
-        kwargs["store"] = dist.TCPStore(
-            os.environ[env.MASTER_ADDR], int(os.environ[env.MASTER_PORT]), runtime.world_size, fd is not None,
-            datetime.timedelta(seconds=runtime.timeout), wait_for_workers=False,
-            **({"master_listen_fd": int(fd)} if fd is not None else {}))
+        kwargs["store"] = _store(runtime, fd)
     if runtime.device.is_cuda:
         kwargs["device_id"] = torch.device(f"cuda:{runtime.device.index}")
     try:

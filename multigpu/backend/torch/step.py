@@ -74,9 +74,14 @@ class TorchSteps:
             install_global_moments(model)
 
     def methods(self) -> dict:
-        """What the model instance gets."""
+        """What the model instance gets.
+
+        ``_initialize_ddp`` does nothing: from Keras 3.16 the torch trainer wraps a model in DDP once a process
+        group is up, and multigpu's steps sum the gradients (weighted by the shares) and the metrics themselves.
+        """
         return {"train_step": self.train_step, "test_step": self.test_step, "predict_step": self.predict_step,
-                "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
+                "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics,
+                "_initialize_ddp": _no_ddp}
 
     # ---------------------------------------------------------- first step
     def _initialize(self) -> None:
@@ -300,3 +305,7 @@ def _move_to(variables, device: torch.device) -> None:
             value = v.value
             if value.device != device:
                 value.data = value.data.to(device)
+
+
+def _no_ddp() -> None:
+    """Keras 3.16's ``_initialize_ddp`` on a parallel model: multigpu sums the gradients, not DDP."""
