@@ -42,7 +42,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_core.py
 
 # The versions pyproject.toml claims, run: one virtual environment per corner under .compat/ (lowest: Keras 3.10,
-# torch 2.4, jax 0.4.30; newest: keras-nightly, keras-hub-nightly, torch 2.14, jax 0.10), each running the
+# torch 2.4, jax 0.5; newest: keras-nightly, keras-hub-nightly, torch 2.14, jax 0.10), each running the
 # exactness, JAX, keras-hub and keras.applications tests; writes compat/RESULTS.md (an outside check, ~20 min
 # the first time, 12 GB of environments).
 compat:

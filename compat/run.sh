@@ -12,8 +12,9 @@ TESTS="tests/test_exactness.py tests/test_jax.py tests/test_hub.py tests/test_ap
 
 # corner name, then what pip installs before the project (the project's own requirements are then satisfied).
 declare -A CORNERS=(
-  # The lowest versions claimed. keras-hub needs Keras 3.15 or newer, so its test is skipped here (and says so).
-  [lowest]='torch==2.4.1 keras==3.10.0 jax[cpu]==0.4.30'
+  # The lowest versions claimed (jax 0.5: before it, a callback inside a custom_vjp's forward rule could not be
+  # differentiated, which sync_batchnorm on JAX does). keras-hub needs Keras 3.15 or newer, so its test is skipped here (and says so).
+  [lowest]='torch==2.4.1 keras==3.10.0 jax[cpu]==0.5.0'
   # The newest that install here: Keras's and keras-hub's nightly builds, torch 2.14.1 and jax 0.10.2 (jax 0.11
   # and newer need Python 3.12, which this machine's Debian 12 does not have).
   [newest]='torch==2.14.1 jax[cpu]==0.10.2'
@@ -57,7 +58,7 @@ print(f'keras {keras.__version__}, torch {torch.__version__}, jax {jax.__version
   local summary
   summary=$(tail -1 "$venv/pytest.log")
   echo "   $summary ($((SECONDS - start)) s)"
-  echo "| $name | $versions | $summary | $(date -u +%Y-%m-%d) |" >> compat/RESULTS.md.new
+  echo "| $name | $versions | $summary | $(date -u +%Y-%m-%d), $(git rev-parse --short HEAD) |" >> compat/RESULTS.md.new
   return $code
 }
 
@@ -74,7 +75,7 @@ done
   echo
   echo "Command: \`make compat\` (\`bash compat/run.sh\`). Tests: \`$TESTS\`."
   echo
-  echo "| corner | versions | pytest | date |"
+  echo "| corner | versions | pytest | date, commit |"
   echo "|---|---|---|---|"
   cat compat/RESULTS.md.new
 } > compat/RESULTS.md

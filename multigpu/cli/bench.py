@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from multigpu.bench.models import names
 from multigpu.planning.shares import parse_ratios
 
 BASELINES = {"single": "plain model.fit on one device", "ddp": "PyTorch DDP loop, equal shares",
@@ -27,7 +28,8 @@ def add_parser(sub) -> None:
                    help="local batch per device, e.g. 512 355 (sets the global batch and the ratios)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch size (default 256)")
     p.add_argument("--ratios", default=None, help="auto or comma-separated ratios (default: equal)")
-    p.add_argument("--model", default="convnet", help="convnet, mlp, gru, maxing, dense41m or file.py:fn")
+    p.add_argument("--model", default="convnet",
+                   help="a built-in model (" + ", ".join(names()) + ") or file.py:fn")
     p.add_argument("--width", type=float, default=1.0, help="scale the model's layer widths")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")

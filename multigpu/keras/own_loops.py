@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 
 import keras
 
+from multigpu.keras.model_parts import own_method
+
 __all__ = ["ROUTED", "base_methods", "own_methods", "routed"]
 
 ROUTED = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -34,8 +36,7 @@ _LOCK = threading.Lock()
 def own_methods(model) -> dict[str, Callable]:
     """The methods of :data:`ROUTED` that the model's class defines over Keras's, bound to the model."""
     cls = type(model)
-    return {name: getattr(cls, name).__get__(model, cls) for name in ROUTED
-            if getattr(cls, name) is not getattr(keras.Model, name)}
+    return {name: method.__get__(model, cls) for name in ROUTED if (method := own_method(cls, name)) is not None}
 
 
 def base_methods(model) -> dict[str, Callable]:

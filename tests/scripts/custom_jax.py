@@ -86,7 +86,8 @@ def main() -> None:
             rank = multigpu.rank()
         model.compile(optimizer=keras.optimizers.SGD(0.05) if name == "sgd" else keras.optimizers.Adam(0.01))
         hist = model.fit(x, y, batch_size=a.batch, epochs=2, shuffle=False, verbose=0)
-        arrays[f"{name}.evaluate"] = json.dumps(model.evaluate(x, y, batch_size=a.batch, verbose=0, return_dict=True))
+        evaluation = model.evaluate(x, y, batch_size=a.batch, verbose=0, return_dict=True)
+        arrays[f"{name}.evaluate"] = json.dumps({k: float(v) for k, v in evaluation.items()})  # Keras 3.10: arrays
         for i, w in enumerate(model.get_weights()):
             arrays[f"{name}.w{i}"] = w
         arrays[f"{name}.history"] = json.dumps(hist.history)

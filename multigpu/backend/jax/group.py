@@ -79,7 +79,7 @@ def join(runtime) -> None:
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception as exc:  # an old JAX without XLA's CPU collectives
-        raise RuntimeError(f"multigpu on JAX needs XLA's gloo CPU collectives (jax >= 0.4.30). Received: jax "
+        raise RuntimeError(f"multigpu on JAX needs XLA's gloo CPU collectives (jax >= 0.5). Received: jax "
                            f"{_jax_version()} ({type(exc).__name__}: {exc})") from exc
     fd = os.environ.pop(env.STORE_FD, None)
     if fd is not None:  # the supervisor's listening socket: free the port for JAX's coordinator

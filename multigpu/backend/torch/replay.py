@@ -20,10 +20,15 @@ arguments of the recording, so a replay writes them as Keras's pass does.
 It replays only where that is certain, and otherwise the step runs Keras's
 own code (nothing else changes):
 
-* every layer's ``call`` and the model's ``compute_loss`` are Keras's own
-  (a layer or model of the user's own may keep Python state between steps);
-* the recording neither draws random numbers (Dropout) nor reads a tensor's
-  value into Python (``make_fx`` refuses that: a branch on the data);
+* every layer's ``call`` is Keras's own or one of keras-hub's modeling layers
+  (``keras_hub.src.layers.modeling``: transformer blocks, attention,
+  embeddings; like Keras's, they keep no Python state between steps), and
+  the model's ``compute_loss`` is Keras's (a layer or model of the user's own
+  may keep Python state between steps);
+* the recording reads no tensor's value into Python (``make_fx`` refuses
+  that: a branch on the data, a seeded ``Dropout``'s seed), and draws random
+  numbers only from torch's default generator (an unseeded ``Dropout``): the
+  replay then draws them in the same order and sizes as Keras's pass would;
 * the first replay of each signature gives the same outputs, loss and
   gradients, bit for bit, as Keras's own pass on the same batch.
 
@@ -56,6 +61,8 @@ from multigpu.keras.model_parts import own_method
 __all__ = ["ForwardReplay", "ineligible", "prepare_graph"]
 
 _DIFFERS = "its replay differed from Keras's own pass"
+# Modules whose layers' ``call`` the replay trusts to keep no Python state between steps.
+TRUSTED_MODULES = ("keras.", "keras_hub.src.layers.modeling.")
 
 
 # While the share search moves, a new batch size is recorded at once only when a recording costs at most
@@ -127,6 +134,7 @@ class ForwardReplay:
                 self.replayed += 1
                 return self._replay(graph, values, leaves)
         began = time.perf_counter()
+        before = _rng_state() if key is not None and key not in self._refused else None
         y_pred, loss = self._keras(x, y, sample_weight)
         if key is None or key in self._refused:
             return y_pred, loss, False
@@ -135,7 +143,7 @@ class ForwardReplay:
         prompt = prompt and self.recorded and self._record_cost <= PROMPT_SECONDS
         if not prompt and (steps < self.record_at or seconds < self._record_cost):
             return y_pred, loss, False  # recorded once its passes took as long as a recording
-        self._record(key, x, y, sample_weight, leaves, values, y_pred, loss)
+        self._record(key, x, y, sample_weight, leaves, values, y_pred, loss, before)
         return y_pred, loss, True
 
     # ------------------------------------------------------------ internals
@@ -150,8 +158,12 @@ class ForwardReplay:
         y_pred = out[0] if template is None else keras.tree.pack_sequence_as(template, list(out[:-1]))
         return y_pred, out[-1], False
 
-    def _record(self, key, x, y, sample_weight, leaves, values, y_pred, loss) -> None:
-        """Records the signature's operations, checks them, and keeps them if a replay matches Keras's pass."""
+    def _record(self, key, x, y, sample_weight, leaves, values, y_pred, loss, before: tuple) -> None:
+        """Records the signature's operations, checks them, and keeps them if a replay matches Keras's pass.
+
+        ``before`` is torch's random state before Keras's pass made ``y_pred`` and ``loss``: the checking
+        replay starts from it, so a pass that draws random numbers draws the same ones.
+        """
         from torch.fx.experimental.proxy_tensor import make_fx
 
         began = time.perf_counter()
@@ -172,6 +184,7 @@ class ForwardReplay:
             trainable = len(self.model.trainable_variables)
             problem = prepare_graph(gm, trainable, len(values))
             if problem is None:
+                _set_rng_state(before)
                 out = gm(*values, *(leaves[i] for i in unique))
                 expected = [*flat_pred, loss]
                 if len(out) != len(expected) or not all(_same(a, b) for a, b in zip(out, expected)):
@@ -206,7 +219,7 @@ def ineligible(model) -> str | None:
     """Why ``model``'s forward pass cannot be replayed, or None."""
     for layer in [model, *_compat.flatten_layers(model)]:
         call = type(layer).call
-        if not getattr(call, "__module__", "").startswith("keras."):
+        if not getattr(call, "__module__", "").startswith(TRUSTED_MODULES):
             return f"layer {layer.name!r} has its own call ({type(layer).__name__})"
     if own_method(type(model), "compute_loss") is not None:
         return "the model has its own compute_loss"
@@ -221,17 +234,17 @@ def prepare_graph(gm, trainable: int, variables: int) -> str | None:
     with gradients off, which the recording does not keep: each write to a
     non-trainable variable is made to run so again.  Writes to tensors made
     inside the pass stay as recorded (the recording's check compares the
-    gradients too).  A graph that draws random numbers, or writes a trainable
-    variable or an input, is refused.
+    gradients too).  A graph that draws random numbers from a generator of
+    its own, or writes a trainable variable or an input, is refused.
     """
     args = [node for node in gm.graph.nodes if node.op == "placeholder"]
     writable = set(args[trainable:variables])
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if torch.Tag.nondeterministic_seeded in node.target.tags:
-            return f"the forward pass draws random numbers ({node.target})"
         schema = node.target._schema
+        if torch.Tag.nondeterministic_seeded in node.target.tags and _argument(node, schema, "generator") is not None:
+            return f"the forward pass draws random numbers from a generator of its own ({node.target})"
         if not schema.is_mutable:
             continue
         written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
@@ -243,6 +256,14 @@ def prepare_graph(gm, trainable: int, variables: int) -> str | None:
         elif any(w in args for w in written):
             return f"the forward pass writes a trainable variable or an input in place ({node.target})"
     gm.recompile()
+    return None
+
+
+def _argument(node, schema, name: str):
+    """The value ``node`` passes for its operation's argument ``name`` (None when absent)."""
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
     return None
 
 
