@@ -45,7 +45,7 @@ CASES = ["mlp:0.5:64:80", "mlp:0.5:512:30", "dense41m:1:256:8", "gru:1:64:40", "
 SUITES = {
     "default": CASES,
     # small keras-hub backbones (2 layers, hidden 64, 32 tokens) built from a config
-    "transformers": ["bert:1:64:40", "bert:1:256:12", "gpt2:1:64:40", "gpt2:1:256:12"],
+    "transformers": ["bert:1:64:60", "bert:1:256:24", "gpt2:1:64:60", "gpt2:1:256:24"],
     # keras.applications, weights=None, 32x32x3 images
     "applications": ["mobilenetv3small:1:64:20", "efficientnetb0:1:64:10", "resnet50:1:64:6"],
 }
@@ -62,7 +62,7 @@ CONFIGS = {
 DEFAULT_CONFIGS = ["single", "mg1", "mg2", "ddp", "keras-ddp"]
 
 
-def run_case(case: str, steps_scale: float, configs: list[str], rounds: int) -> dict:
+def run_case(case: str, steps_scale: float, configs: list[str], rounds: int, breakdown: bool = True) -> dict:
     """Every configuration ``rounds`` times, one after another in each round; the median rate of each."""
     model, width, batch, steps = case.split(":")
     out = {"model": model, "width": float(width), "batch": int(batch), "runs": {}}
@@ -71,6 +71,8 @@ def run_case(case: str, steps_scale: float, configs: list[str], rounds: int) -> 
         for name in configs:
             cfg = dict(CONFIGS[name], model=model, width=float(width), batch=int(batch),
                        steps=max(4, round(int(steps) * steps_scale)), warmup=3, seed=0)
+            if not breakdown:
+                cfg.pop("breakdown", None)
             t0 = time.monotonic()
             result = run_config(cfg, timeout=900, stream=False)
             tried[name].append({"samples_per_second": result["samples_per_second"],
@@ -124,18 +126,22 @@ def main() -> int:
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
+    p.add_argument("--no-breakdown", action="store_true",
+                   help="no phase timers (they cost single, mg1 and mg2 a little, and the baselines nothing)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead.json"))
     a = p.parse_args()
     configs = a.configs.split(",")
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
     cases = a.cases or SUITES[a.suite]
-    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds) for c in cases]
+    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds, not a.no_breakdown)
+               for c in cases]
     if set(DEFAULT_CONFIGS) <= set(configs):
         print("\n" + ratio_table(results))
     if {"mg2", "mg2-keras"} <= set(configs):
         print("\n" + replay_table(results))
-    print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))
+    if not a.no_breakdown:
+        print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))
     print(f"\n{(time.monotonic() - start) / 60:.1f} min on {platform.node()}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))

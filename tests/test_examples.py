@@ -119,3 +119,19 @@ def test_gan_trains_with_a_custom_step_and_saves_the_generator(runner):
                         "print(tuple(m(keras.random.normal((2, 64))).shape))", str(generator)], timeout=60)
     assert "(2, 28, 28, 1)" in check.stdout, check.stdout
     assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(200)
+def test_keras_hub_classifier_trains_from_strings_and_saves_the_task(runner):
+    pytest.importorskip("keras_hub", reason="needs keras-hub (make test installs it)")
+    out = run_example(runner, "keras_hub_classifier.py", *TWO_CPUS, "--ratios", "3,1", timeout=190)
+    assert "2 device(s): CPU:0 75%, CPU:1 25%" in out, out
+    accuracy = re.search(rf"^test accuracy: {NUMBER}$", out, re.M)
+    assert accuracy and float(accuracy[1]) > 0.6, out  # two balanced classes: chance is 0.5
+    assert len(re.findall(r"^  \d\.\d\d good: ", out, re.M)) == 3, out
+    saved = runner.tmp_path / "bert-classifier.keras"
+    assert saved.is_file()
+    check = runner.run([sys.executable, "-c", "import keras, keras_hub, sys; m = keras.saving.load_model(sys.argv[1]); "
+                        "print(m.predict(['good great film'], verbose=0).shape)", str(saved)], timeout=90)
+    assert "(1, 2)" in check.stdout, check.stdout + check.stderr
+    assert runner.leftovers() == []
