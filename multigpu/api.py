@@ -155,7 +155,7 @@ def parallelize(
     from multigpu import backend
 
     backend.check()
-    from multigpu.keras import _compat
+    from multigpu._keras import compat as _compat
 
     _compat.check()
     _check_model(model)
@@ -202,7 +202,8 @@ def parallelize(
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)
     balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_rank0(runtime.rank))
     parallel.ParallelModel(model, runtime, comm, balancer,
-                           parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression)).install()
+                           parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression),
+                           backend.get().Steps).install()
     return model
 
 

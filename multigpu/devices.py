@@ -66,9 +66,9 @@ class Device:
 def cuda_device_count() -> int:
     """Number of visible CUDA GPUs: torch's count on the torch backend (0 when torch has no CUDA); on JAX,
     the NVIDIA driver's (JAX may not compute before a rank joins the run, so it cannot be asked)."""
-    from multigpu import backend
+    from multigpu import env
 
-    if backend.name() == "jax":
+    if env.keras_backend() == "jax":
         return driver_gpu_count()
     try:
         import torch

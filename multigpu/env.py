@@ -60,3 +60,14 @@ REPLAY = "MULTIGPU_REPLAY"
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,
             LAUNCH_DIR)
+
+
+def keras_backend() -> str:
+    """The Keras backend in use: Keras's own once it is imported, else ``KERAS_BACKEND``, else ``torch``."""
+    import sys
+
+    if "keras" in sys.modules:
+        return sys.modules["keras"].backend.backend()
+    import os
+
+    return os.environ.get("KERAS_BACKEND") or "torch"

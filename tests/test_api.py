@@ -115,7 +115,7 @@ def test_the_keras_range_pyproject_claims_is_the_one_multigpu_checks_at_import()
     """One claim: ``_compat.TESTED`` (what ``make compat`` ran) is what pyproject.toml asks pip for."""
     from pathlib import Path
 
-    from multigpu.keras import _compat
+    from multigpu._keras import compat as _compat
 
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"{_compat._requirement()}"' in text, _compat._requirement()

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from multigpu._keras import compat as _compat
 from multigpu.backend.torch.metrics import GlobalMetrics
-from multigpu.keras import _compat
 
 
 def two_outputs(metrics, weighted_metrics=None):

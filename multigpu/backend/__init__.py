@@ -6,14 +6,16 @@ integration, the command line) is backend-neutral.  A backend module gives:
 * ``bind(device)``: threads and accelerator of this process;
 * ``join(runtime)`` / ``leave(failed)``: enter and leave the run's group;
 * ``Comm(runtime)``: the collectives (every error fatal);
-* ``attach_steps(parallel_model)``: the training, test and predict steps.
+* ``Steps(parallel_model)``: the training, test and predict steps, whose
+  ``methods()`` the parallel model's instance gets (``multigpu.parallelize``
+  hands the class to :class:`multigpu.keras.parallel.ParallelModel`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from types import ModuleType
+
+from multigpu import env
 
 __all__ = ["SUPPORTED", "get", "name"]
 
@@ -22,11 +24,7 @@ SUPPORTED = ("torch", "jax")
 
 def name() -> str:
     """The Keras backend in use (``keras.backend.backend()`` once Keras is imported)."""
-    if "keras" in sys.modules:
-        import keras
-
-        return keras.backend.backend()
-    return os.environ.get("KERAS_BACKEND") or "torch"
+    return env.keras_backend()
 
 
 def check() -> str:

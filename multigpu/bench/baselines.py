@@ -76,7 +76,7 @@ def _keras_ddp_run(cfg: dict, spec) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from multigpu.keras import _compat
+    from multigpu._keras import compat as _compat
     from multigpu.planning.shares import split
     from multigpu.runtime import start
 
@@ -187,7 +187,7 @@ def _keras_fit_ddp_run(cfg: dict, spec) -> None:
     import keras
     import torch.distributed as dist
 
-    from multigpu.keras import _compat
+    from multigpu._keras import compat as _compat
     from multigpu.planning.shares import split
     from multigpu.runtime import start
 

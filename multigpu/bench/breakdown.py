@@ -71,7 +71,7 @@ def install(model) -> Breakdown:
     """
     import torch
 
-    from multigpu.keras import _compat
+    from multigpu._keras import compat as _compat
 
     b = Breakdown()
     step = model.train_step  # the instance's (parallel) or the class's (plain)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import keras
 
-from multigpu.keras import _compat
+from multigpu._keras import compat as _compat
 
 __all__ = ["EpochHooks", "for_rank"]
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import keras
 
-from multigpu.keras import _compat
+from multigpu._keras import compat as _compat
 from multigpu.planning.plan import StepPlan, StepPlanner
 
 __all__ = ["ShardedData"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from multigpu._keras import compat as _compat
 from multigpu.data.forms import input_kind, num_rows, validation_split
 from multigpu.data.host import Host
 from multigpu.data.sources import source_for
-from multigpu.keras import _compat
 from multigpu.keras.callbacks import EpochHooks, for_rank
 from multigpu.keras.data import ShardedData
 from multigpu.keras.own_loops import own_methods, routed

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import keras
 
-from multigpu.keras.model_parts import own_method
+from multigpu._keras.model_parts import own_method
 
 __all__ = ["ROUTED", "base_methods", "own_methods", "routed"]
 

@@ -1,8 +1,8 @@
 """One parallel model: the parts multigpu keeps for it, and how they reach the model.
 
 :class:`ParallelModel` holds the run's collectives, the model's load balancer
-(the one owner of its shares), its step timing, its steps (from the backend
-module) and its loops, and gives the model instance the methods that use them
+(the one owner of its shares), its step timing, its steps (the backend's,
+handed in by :func:`multigpu.parallelize`) and its loops, and gives the model instance the methods that use them
 (``fit``, ``evaluate``, ``predict``, the ``*_on_batch`` methods, the steps,
 ``get_metrics_result``, ``reset_metrics``, ``save``, ``save_weights``,
 ``summary``).  The class is untouched, so the model stays the user's model: a
@@ -19,7 +19,6 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from multigpu import backend
 from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
@@ -90,9 +89,10 @@ class ParallelModel:
         comm: the run's collectives.
         balancer: the model's load balancer.
         options: the other choices of ``parallelize``.
+        steps: the backend's steps class (``Steps(parallel_model)``: see :mod:`multigpu.backend`).
     """
 
-    def __init__(self, model, runtime, comm, balancer: LoadBalancer, options: Options) -> None:
+    def __init__(self, model, runtime, comm, balancer: LoadBalancer, options: Options, steps) -> None:
         self.model = model
         self.runtime = runtime
         self.comm = comm
@@ -103,7 +103,7 @@ class ParallelModel:
         cls = type(model)
         self.keras = {name: getattr(cls, name).__get__(model, cls) for name in _KERAS_METHODS}
         self.keras.update(base_methods(model))  # the loops call Keras's own; a class's own come first
-        self.steps = backend.get().Steps(self)
+        self.steps = steps(self)
         self.loops = Loops(self)
 
     def signature(self) -> str:
@@ -122,7 +122,7 @@ class ParallelModel:
         for name, method in methods.items():
             object.__setattr__(self.model, name, method)
         _MODELS[self.model] = self
-        route_public_saving(_is_parallel_model)
+        route_public_saving(self.model, _is_parallel_model)
 
     def save(self, method: str, filepath, overwrite: bool = True, **kwargs):
         """Keras's ``save``/``save_weights`` on rank 0, atomically; every rank returns once the file is there.

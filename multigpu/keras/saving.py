@@ -8,6 +8,7 @@ process that never imports multigpu loads it with ``keras.saving.load_model``.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,33 +40,57 @@ def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **
     return result
 
 
-def route_public_saving(is_parallel: Callable[[object], bool]) -> None:
+_ROUTED: dict = {}  # while parallel models live: Keras's own functions, and how many models hold the route
+
+
+def route_public_saving(model, is_parallel: Callable[[object], bool]) -> None:
     """Makes ``keras.saving.save_model`` and ``keras.saving.save_weights`` (also ``keras.models.save_model``)
     of a parallel model go through the model's own ``save``/``save_weights``: rank 0 writes, atomically, and
     every rank waits for the file.  Keras's functions write directly, so without this every rank would
-    write the same file at once.  Other models are passed to Keras's functions unchanged.  Idempotent.
+    write the same file at once.  Other models are passed to Keras's functions unchanged.
+
+    The route lasts as long as some parallel model does: when the last one is collected, Keras's own
+    functions are put back.
     """
     import keras
 
-    if getattr(keras.saving.save_model, "_multigpu_routed", False):
+    if not _ROUTED:
+        original_model, original_weights = keras.saving.save_model, keras.saving.save_weights
+
+        def save_model(model, filepath, overwrite=True, zipped=None, **kwargs):
+            extra = {} if zipped is None else {"zipped": zipped}
+            if is_parallel(model):
+                return model.save(filepath, overwrite=overwrite, **extra, **kwargs)
+            return original_model(model, filepath, overwrite=overwrite, **extra, **kwargs)
+
+        def save_weights(model, filepath, overwrite=True, **kwargs):
+            if is_parallel(model):
+                return model.save_weights(filepath, overwrite=overwrite, **kwargs)
+            return original_weights(model, filepath, overwrite=overwrite, **kwargs)
+
+        for fn, original in ((save_model, original_model), (save_weights, original_weights)):
+            fn.__doc__ = original.__doc__
+        models_too = getattr(keras.models, "save_model", None) is original_model
+        _ROUTED.update(model=original_model, weights=original_weights, models_too=models_too, holders=0)
+        keras.saving.save_model = save_model
+        keras.saving.save_weights = save_weights
+        if models_too:
+            keras.models.save_model = save_model
+    _ROUTED["holders"] += 1
+    weakref.finalize(model, _release)
+
+
+def _release() -> None:
+    """One parallel model fewer; the last one puts Keras's own functions back."""
+    if not _ROUTED:
         return
-    original_model, original_weights = keras.saving.save_model, keras.saving.save_weights
+    _ROUTED["holders"] -= 1
+    if _ROUTED["holders"] > 0:
+        return
+    import keras
 
-    def save_model(model, filepath, overwrite=True, zipped=None, **kwargs):
-        extra = {} if zipped is None else {"zipped": zipped}
-        if is_parallel(model):
-            return model.save(filepath, overwrite=overwrite, **extra, **kwargs)
-        return original_model(model, filepath, overwrite=overwrite, **extra, **kwargs)
-
-    def save_weights(model, filepath, overwrite=True, **kwargs):
-        if is_parallel(model):
-            return model.save_weights(filepath, overwrite=overwrite, **kwargs)
-        return original_weights(model, filepath, overwrite=overwrite, **kwargs)
-
-    for fn, original in ((save_model, original_model), (save_weights, original_weights)):
-        fn.__doc__ = original.__doc__
-        fn._multigpu_routed = True  # type: ignore[attr-defined]
-    keras.saving.save_model = save_model
-    keras.saving.save_weights = save_weights
-    if getattr(keras.models, "save_model", None) is original_model:
-        keras.models.save_model = save_model
+    keras.saving.save_model = _ROUTED["model"]
+    keras.saving.save_weights = _ROUTED["weights"]
+    if _ROUTED["models_too"]:
+        keras.models.save_model = _ROUTED["model"]
+    _ROUTED.clear()

@@ -227,7 +227,7 @@ def _wait(group, output: _Output) -> tuple[int, int] | None:
 
 
 def _rank_error(group, folder: str, code: int, rank: int) -> RankError:
-    from multigpu.runtime.processes import read_note
+    from multigpu.failure import read_note
 
     described = group.describe_failure(code, rank)
     tb = read_note(folder, rank, "traceback") or ""

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from multigpu import env
 
@@ -26,11 +25,7 @@ __all__ = [
     "free_port",
     "loopback_listener",
     "rank_environment",
-    "read_failure",
-    "read_note",
     "stop_processes",
-    "write_failure",
-    "write_note",
 ]
 
 
@@ -109,40 +104,6 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def write_note(rank: int, kind: str, text: str) -> None:
-    """Leaves ``text`` in the run's folder for the supervisor and the other ranks (no-op outside a run)."""
-    run_dir = os.environ.get(env.RUN_DIR)
-    if not run_dir:
-        return
-    path = Path(run_dir) / f"rank{rank}.{kind}"
-    try:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:  # pragma: no cover - the folder is gone: the supervisor is too
-        pass
-
-
-def read_note(run_dir: str | os.PathLike | None, rank: int, kind: str) -> str | None:
-    """What rank ``rank`` left under ``kind``, or None."""
-    if not run_dir:
-        return None
-    try:
-        return (Path(run_dir) / f"rank{rank}.{kind}").read_text().strip() or None
-    except OSError:
-        return None
-
-
-def write_failure(rank: int, reason: str) -> None:
-    """Tells the supervisor why this rank fails."""
-    write_note(rank, "failure", reason)
-
-
-def read_failure(run_dir: str | os.PathLike | None, rank: int) -> str | None:
-    """The reason rank ``rank`` gave for failing, or None."""
-    return read_note(run_dir, rank, "failure")
 
 
 def command(orig_argv: list[str]) -> list[str]:

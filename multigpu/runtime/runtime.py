@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 from multigpu import env
 from multigpu.devices import Device, assign_cores, cuda_device_count, parse_devices
-from multigpu.runtime.processes import command, write_failure
+from multigpu.failure import fail, failed, identify, note_failure, note_thread_failure
+from multigpu.runtime.processes import command
 
 __all__ = ["Runtime", "current", "fail", "rank", "rerun_command", "start", "world_size"]
 
 DEFAULT_TIMEOUT = 60.0
 _RUNTIME: Runtime | None = None
-_FAILED = False
 
 
 @dataclass
@@ -172,11 +172,12 @@ def start(devices=None, timeout: float | None = None) -> Runtime:
         runtime = Runtime(0, 1, parsed, "single", timeout_)
     _bind(runtime)
     _RUNTIME = runtime
+    identify(runtime.rank, runtime.device.label)
     if runtime.world_size > 1:
         from multigpu import backend
 
-        sys.excepthook = _note_failure(sys.excepthook)
-        threading.excepthook = _note_thread_failure(threading.excepthook)
+        sys.excepthook = note_failure(sys.excepthook)
+        threading.excepthook = note_thread_failure(threading.excepthook)
         backend.get().join(runtime)
         atexit.register(_leave)
     return runtime
@@ -243,51 +244,8 @@ def _bind(runtime: Runtime) -> None:
     backend.get().bind(device)
 
 
-def fail(reason: str) -> None:
-    """Ends this rank at once because the run cannot go on (never returns).
-
-    Prints the reason naming the rank and device, tells the supervisor, and
-    exits without touching the process group again.
-    """
-    global _FAILED
-    _FAILED = True
-    runtime = _RUNTIME
-    who = f"rank {runtime.rank} ({runtime.device.label})" if runtime else "multigpu"
-    text = f"multigpu: {who}: {reason}"
-    write_failure(runtime.rank if runtime else 0, reason)
-    try:
-        print(text, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-    finally:
-        os._exit(1)
-
-
-def _note_failure(hook):
-    def excepthook(exc_type, exc, tb):
-        global _FAILED
-        _FAILED = True
-        if _RUNTIME is not None:
-            write_failure(_RUNTIME.rank, f"{exc_type.__name__}: {exc}")
-        hook(exc_type, exc, tb)
-    return excepthook
-
-
-def _note_thread_failure(hook):
-    def excepthook(args):
-        global _FAILED
-        if args.exc_type is not SystemExit:
-            _FAILED = True
-        hook(args)
-    return excepthook
-
-
-def failed() -> bool:
-    """True once this rank has failed (its exit skips waiting for the others)."""
-    return _FAILED
-
-
 def _leave() -> None:
     """Leaves the run at exit: with the others when all went well (a barrier), at once after a failure."""
     from multigpu import backend
 
-    backend.get().leave(failed=_FAILED)
+    backend.get().leave(failed=failed())

@@ -29,13 +29,8 @@ import time
 from collections.abc import Sequence
 
 from multigpu import env
-from multigpu.runtime.processes import (
-    die_with_parent,
-    loopback_listener,
-    rank_environment,
-    read_failure,
-    stop_processes,
-)
+from multigpu.failure import read_failure
+from multigpu.runtime.processes import die_with_parent, loopback_listener, rank_environment, stop_processes
 
 __all__ = ["Supervisor"]
 

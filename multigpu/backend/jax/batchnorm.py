@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from multigpu.keras import _compat
-from multigpu.keras.model_parts import use_global_batchnorm
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import use_global_batchnorm
 
 __all__ = ["StatisticsExchange", "install_global_moments"]
 

@@ -52,7 +52,7 @@ class Comm:
         try:
             yield
         except Exception as exc:
-            from multigpu.runtime import fail
+            from multigpu.failure import fail
 
             first = str(exc).splitlines()[0] if str(exc) else ""
             fail(f"{what} failed: {type(exc).__name__}: {first}")

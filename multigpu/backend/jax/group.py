@@ -67,7 +67,7 @@ def join(runtime) -> None:
         return
     import jax
 
-    from multigpu.runtime import fail
+    from multigpu.failure import fail
 
     if _backends_initialized():
         how = ("`torchrun ... -m multigpu.runtime.rank_entry script train.py ...`" if runtime.mode == "torchrun"

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import batch_rows, batchnorm_statistics, optimizers_of, own_method
 from multigpu.balancing.timing import StepRecord
-from multigpu.keras import _compat
-from multigpu.keras.model_parts import batch_rows, batchnorm_statistics, optimizers_of, own_method
 
 __all__ = ["JaxSteps"]
 

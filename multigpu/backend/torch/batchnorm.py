@@ -12,7 +12,7 @@ backward pass sends each rank's gradient of the statistics to every rank.  For
 that to be exact each rank back-propagates its loss already weighted by its
 share (the training step does, see :mod:`multigpu.backend.torch.step`).
 The layer's private ``_moments`` and ``_reduction_axes`` are reached only
-through :mod:`multigpu.keras._compat` (Keras's own
+through :mod:`multigpu._keras.compat` (Keras's own
 ``synchronized=True`` raises on torch).
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
-from multigpu.keras import _compat
-from multigpu.keras.model_parts import batchnorm_statistics, use_global_batchnorm
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import batchnorm_statistics, use_global_batchnorm
 
 __all__ = ["average_statistics", "install_global_moments"]
 

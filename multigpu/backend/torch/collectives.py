@@ -4,7 +4,7 @@
 gradients and extras (:meth:`Comm.buffer` then :meth:`Comm.reduce`), and a few
 rare ones (broadcast of the initial weights, gathering predictions, checking
 that ranks agree on data lengths).  A collective that fails or times out ends
-the rank through :func:`multigpu.runtime.fail`: the process group it broke is
+the rank through :func:`multigpu.failure.fail`: the process group it broke is
 never used again, and the supervisor ends the run.
 
 The per-step sum has two transports:
@@ -83,11 +83,11 @@ class Comm:
         try:
             yield
         except CollectiveMismatchError as exc:
-            from multigpu.runtime import fail
+            from multigpu.failure import fail
 
             fail(str(exc))
         except Exception as exc:
-            from multigpu.runtime import fail
+            from multigpu.failure import fail
 
             first = str(exc).splitlines()[0] if str(exc) else ""
             if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
@@ -295,7 +295,7 @@ class _SharedMemory:
 
 def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe) -> str:
     mine = describe() if describe else f"{sizes[rank]} bytes"
-    from multigpu.runtime.processes import read_note, write_note
+    from multigpu.failure import read_note, write_note
 
     write_note(rank, "layout", mine)
     others = []

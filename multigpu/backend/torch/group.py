@@ -54,7 +54,7 @@ def join(runtime) -> None:
     try:
         dist.init_process_group(**kwargs)
     except Exception as exc:  # a peer that never came, a store that went away
-        from multigpu.runtime import fail
+        from multigpu.failure import fail
 
         fail(f"could not join the run's process group: {type(exc).__name__}: {exc}")
     if runtime.mode == "torchrun":

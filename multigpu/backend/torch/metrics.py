@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from multigpu.keras import _compat
+from multigpu._keras import compat as _compat
 
 __all__ = ["ALL_METRICS", "GlobalMetrics"]
 

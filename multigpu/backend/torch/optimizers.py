@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from multigpu.keras import _compat
+from multigpu._keras import compat as _compat
 
 __all__ = ["BLOCK", "install"]
 

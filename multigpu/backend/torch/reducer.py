@@ -95,7 +95,7 @@ class GradientSync:
                 return original(grads, trainable_variables)
             variables = trainable_variables
             if variables is None:
-                from multigpu.keras import _compat
+                from multigpu._keras import compat as _compat
 
                 variables = _compat.optimizer_variables(optimizer)
             variables = list(variables)
@@ -250,7 +250,7 @@ class GradientSync:
         world = float(self.comm.world_size)
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.backend.torch.collectives import CollectiveMismatchError
-            from multigpu.runtime import fail
+            from multigpu.failure import fail
 
             fail(str(CollectiveMismatchError(
                 f"the ranks' optimizer calls did not match: this rank summed {describe()}, and another rank "

@@ -55,8 +55,9 @@ import keras
 import torch
 
 from multigpu import env
-from multigpu.keras import _compat
-from multigpu.keras.model_parts import own_method
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import own_method
+from multigpu.backend.torch import internals
 
 __all__ = ["ForwardReplay", "ineligible", "prepare_graph"]
 
@@ -93,6 +94,8 @@ class ForwardReplay:
             self.reason: str | None = "disabled"
         elif os.environ.get(env.REPLAY, "1") == "0":
             self.reason = "MULTIGPU_REPLAY=0"
+        elif gaps := internals.missing():
+            self.reason = f"torch {torch.__version__} lacks {', '.join(gaps)}"
         else:
             self.reason = None
         self.recorded = 0
@@ -164,8 +167,6 @@ class ForwardReplay:
         ``before`` is torch's random state before Keras's pass made ``y_pred`` and ``loss``: the checking
         replay starts from it, so a pass that draws random numbers draws the same ones.
         """
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         began = time.perf_counter()
         unique = _unique_positions(leaves)
         flat_pred = keras.tree.flatten(y_pred)
@@ -180,7 +181,7 @@ class ForwardReplay:
 
         problem = None
         try:
-            gm = make_fx(forward)(*values, *(leaves[i] for i in unique))
+            gm = internals.make_fx(forward)(*values, *(leaves[i] for i in unique))
             trainable = len(self.model.trainable_variables)
             problem = prepare_graph(gm, trainable, len(values))
             if problem is None:
@@ -240,15 +241,14 @@ def prepare_graph(gm, trainable: int, variables: int) -> str | None:
     args = [node for node in gm.graph.nodes if node.op == "placeholder"]
     writable = set(args[trainable:variables])
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, internals.OpOverload):
             continue
         schema = node.target._schema
-        if torch.Tag.nondeterministic_seeded in node.target.tags and _argument(node, schema, "generator") is not None:
+        if internals.random_tag() in node.target.tags and _argument(node, schema, "generator") is not None:
             return f"the forward pass draws random numbers from a generator of its own ({node.target})"
         if not schema.is_mutable:
             continue
-        written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-                   for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        written = internals.written_arguments(node, schema)
         if any(w in writable for w in written):
             if not all(w in writable for w in written):
                 return f"the forward pass writes a variable and another tensor in one operation ({node.target})"
@@ -309,7 +309,7 @@ def _variable_values(model) -> list[torch.Tensor]:
 
 
 def _flat_inputs(x, y, sample_weight) -> tuple[list, object]:
-    leaves, spec = torch.utils._pytree.tree_flatten((x, y, sample_weight))
+    leaves, spec = internals.tree_flatten((x, y, sample_weight))
     return leaves, spec
 
 

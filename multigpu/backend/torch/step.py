@@ -27,14 +27,14 @@ import warnings
 import keras
 import torch
 
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.balancing.timing import StepRecord
-from multigpu.keras import _compat
-from multigpu.keras.model_parts import batch_rows, optimizers_of, own_method
 
 __all__ = ["TorchSteps"]
 

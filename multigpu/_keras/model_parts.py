@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import keras
 
-from multigpu.keras import _compat
+from multigpu._keras import compat as _compat
 
 __all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "optimizers_of", "own_method",
            "use_global_batchnorm"]
