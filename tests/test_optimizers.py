@@ -34,7 +34,7 @@ def _train(make, fast: bool, steps: int = 4) -> list[np.ndarray]:
     for _ in range(steps):
         grads = [torch.from_numpy(rng.normal(size=s).astype("float32")) for s in SHAPES]
         optimizer.apply(grads, variables)
-    return [keras.ops.convert_to_numpy(v) for v in [*variables, *optimizer.variables]]
+    return [keras.ops.convert_to_numpy(v.value) for v in [*variables, *optimizer.variables]]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -116,12 +116,12 @@ def test_extras_travel_with_the_gradients_in_the_same_collective():
 
 
 def test_ranks_whose_optimizer_calls_differ_get_an_error_naming_what_they_summed(monkeypatch):
-    import multigpu.runtime
+    import multigpu.failure
 
     def fail(reason):
         raise RuntimeError(reason)
 
-    monkeypatch.setattr(multigpu.runtime, "fail", fail)
+    monkeypatch.setattr(multigpu.failure, "fail", fail)
 
     def body(rank, sync):
         sync.begin_step(0.5)

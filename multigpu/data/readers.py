@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 import keras
 import numpy as np
 
+from multigpu import failure
 from multigpu._keras import compat as _compat
 from multigpu.data.exchange import InputError, Pass, StoppedError
 from multigpu.data.forms import batch_rows, standardize
@@ -73,9 +74,7 @@ class _Reader:
             try:
                 self.pass_.publish_error(self.next, self.host.label, exc)
             except BaseException as failed:  # the other ranks cannot be told: end this rank, which ends the run
-                from multigpu.failure import fail
-
-                fail(f"reading global batch {self.next} failed ({type(exc).__name__}: {exc}), and saying so to "
+                failure.fail(f"reading global batch {self.next} failed ({type(exc).__name__}: {exc}), and saying so to "
                      f"the other ranks failed too ({type(failed).__name__}: {failed})")
 
     def close(self, timeout: float = 10.0) -> None:

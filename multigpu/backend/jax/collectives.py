@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from multigpu import failure
+
 __all__ = ["Comm"]
 
 
@@ -52,10 +54,8 @@ class Comm:
         try:
             yield
         except Exception as exc:
-            from multigpu.failure import fail
-
             first = str(exc).splitlines()[0] if str(exc) else ""
-            fail(f"{what} failed: {type(exc).__name__}: {first}")
+            failure.fail(f"{what} failed: {type(exc).__name__}: {first}")
 
     # ------------------------------------------------------- the step's sum
     def reduce(self, vector, what: str = "summing gradients") -> np.ndarray:

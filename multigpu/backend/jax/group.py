@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from multigpu import env
+from multigpu import env, failure
 
 __all__ = ["bind", "check_platform", "coordination_client", "join", "leave"]
 
@@ -67,8 +67,6 @@ def join(runtime) -> None:
         return
     import jax
 
-    from multigpu.failure import fail
-
     if _backends_initialized():
         how = ("`torchrun ... -m multigpu.runtime.rank_entry script train.py ...`" if runtime.mode == "torchrun"
                else "`python train.py` (parallelize starts the devices) or `multigpu run --devices ... train.py`")
@@ -89,13 +87,13 @@ def join(runtime) -> None:
         jax.distributed.initialize(address, num_processes=runtime.world_size, process_id=runtime.rank,
                                    initialization_timeout=max(1, int(runtime.timeout)))
     except Exception as exc:
-        fail(f"could not join the run through jax.distributed at {address}: {type(exc).__name__}: "
+        failure.fail(f"could not join the run through jax.distributed at {address}: {type(exc).__name__}: "
              f"{str(exc).splitlines()[0] if str(exc) else ''}")
     _JOINED = True
     try:
         check_platform(runtime.device, jax.local_devices()[0].platform, _jax_version())
     except RuntimeError as exc:
-        fail(str(exc))
+        failure.fail(str(exc))
     if runtime.mode == "torchrun":
         _learn_devices(runtime)
 

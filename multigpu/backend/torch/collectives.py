@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from multigpu import failure
+
 __all__ = ["CollectiveMismatchError", "Comm"]
 
 _SHM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -83,18 +85,14 @@ class Comm:
         try:
             yield
         except CollectiveMismatchError as exc:
-            from multigpu.failure import fail
-
-            fail(str(exc))
+            failure.fail(str(exc))
         except Exception as exc:
-            from multigpu.failure import fail
-
             first = str(exc).splitlines()[0] if str(exc) else ""
             if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
                 first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
                          f"(gloo: {first.rsplit('] ', 1)[-1]})")
-                fail(f"{what} failed: TimeoutError: {first}")
-            fail(f"{what} failed: {type(exc).__name__}: {first}")
+                failure.fail(f"{what} failed: TimeoutError: {first}")
+            failure.fail(f"{what} failed: {type(exc).__name__}: {first}")
 
     # ------------------------------------------------------- the step's sum
     def buffer(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from multigpu import env
+from multigpu import env, failure
 
 __all__ = ["bind", "join", "leave", "process_group_backend"]
 
@@ -54,9 +54,7 @@ def join(runtime) -> None:
     try:
         dist.init_process_group(**kwargs)
     except Exception as exc:  # a peer that never came, a store that went away
-        from multigpu.failure import fail
-
-        fail(f"could not join the run's process group: {type(exc).__name__}: {exc}")
+        failure.fail(f"could not join the run's process group: {type(exc).__name__}: {exc}")
     if runtime.mode == "torchrun":
         from multigpu.devices import parse_devices
 

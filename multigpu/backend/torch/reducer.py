@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from multigpu import failure
+
 __all__ = ["COMPRESSION", "GradientSync"]
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -250,9 +252,7 @@ class GradientSync:
         world = float(self.comm.world_size)
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.backend.torch.collectives import CollectiveMismatchError
-            from multigpu.failure import fail
-
-            fail(str(CollectiveMismatchError(
+            failure.fail(str(CollectiveMismatchError(
                 f"the ranks' optimizer calls did not match: this rank summed {describe()}, and another rank "
                 "something else. Every rank must call the optimizer on the same variables the same number "
                 "of times per step.")))
