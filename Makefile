@@ -34,7 +34,8 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py
 
-# Every example under examples/ end to end with --quick (an outside check, ~2 min; the notebook runs in make test).
+# Every example under examples/ end to end with --quick, the notebook in a real kernel on both backends
+# (an outside check, ~4 min).
 test-examples: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_examples.py
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_notebook import BACKENDS, run_notebook
+
 pytestmark = pytest.mark.multiprocess
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -134,4 +136,22 @@ def test_keras_hub_classifier_trains_from_strings_and_saves_the_task(runner):
     check = runner.run([sys.executable, "-c", "import keras, keras_hub, sys; m = keras.saving.load_model(sys.argv[1]); "
                         "print(m.predict(['good great film'], verbose=0).shape)", str(saved)], timeout=90)
     assert "(1, 2)" in check.stdout, check.stdout + check.stderr
+    assert runner.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_example_notebook_compares_one_device_with_all(runner, backend):
+    """examples/notebook.ipynb in a real Jupyter kernel, quick mode (scripts/notebook.py)."""
+    pytest.importorskip("nbclient", reason="the notebook needs nbclient and ipykernel (make test installs them)")
+    if backend == "jax":
+        pytest.importorskip("jax")
+    cells = run_notebook(runner, "example", "--backend", backend, extra_env=BACKENDS[backend], timeout=230)
+    assert not [c["errors"] for c in cells if c["errors"]]
+    table = cells[-1]["text"]
+    rows = re.findall(r"^(one device: CPU:0|2 devices: CPU:0,CPU:1) +(\S+) +(\S+) +(\S+)x$", table, re.M)
+    assert [r[0] for r in rows] == ["one device: CPU:0", "2 devices: CPU:0,CPU:1"], table
+    real = "data: Fashion-MNIST" in table
+    for _, seconds, accuracy, _ in rows:
+        assert float(seconds) > 0 and float(accuracy) > (0.3 if real else 0.0)
     assert runner.leftovers() == []

@@ -63,18 +63,3 @@ def test_a_killed_kernel_leaves_no_process_behind(runner):
     *_, long = run_notebook(runner, "kill")
     assert [e["ename"] for e in long["errors"]] == ["DeadKernelError"], long
     assert runner.leftovers(wait=10.0) == []
-
-
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_the_example_notebook_compares_one_device_with_all(runner, backend):
-    if backend == "jax":
-        pytest.importorskip("jax")
-    cells = run_notebook(runner, "example", "--backend", backend, extra_env=BACKENDS[backend], timeout=230)
-    assert not [c["errors"] for c in cells if c["errors"]]
-    table = cells[-1]["text"]
-    rows = re.findall(r"^(one device: CPU:0|2 devices: CPU:0,CPU:1) +(\S+) +(\S+) +(\S+)x$", table, re.M)
-    assert [r[0] for r in rows] == ["one device: CPU:0", "2 devices: CPU:0,CPU:1"], table
-    real = "data: Fashion-MNIST" in table
-    for _, seconds, accuracy, _ in rows:
-        assert float(seconds) > 0 and float(accuracy) > (0.3 if real else 0.0)
-    assert runner.leftovers() == []
