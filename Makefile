@@ -35,7 +35,7 @@ test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py
 
 # Every example under examples/ end to end with --quick, the notebook in a real kernel on both backends
-# (an outside check, ~4 min).
+# (an outside check, about 3.5 min).
 test-examples: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_examples.py
 
@@ -44,8 +44,8 @@ bench: $(STAMP)
 
 # The versions pyproject.toml claims, run: one virtual environment per corner under .compat/ (lowest: Keras 3.10,
 # torch 2.4, jax 0.5; newest: keras-nightly, keras-hub-nightly, torch 2.14, jax 0.10), each running the
-# exactness, JAX, keras-hub and keras.applications tests; writes compat/RESULTS.md (an outside check, ~20 min
-# the first time, 12 GB of environments).
+# exactness, JAX, keras-hub and keras.applications tests; writes compat/RESULTS.md (an outside check: 7 min
+# once the 12 GB of environments exist, plus their installs the first time).
 compat:
 	bash compat/run.sh
 
