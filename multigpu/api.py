@@ -196,7 +196,7 @@ def parallelize(
     options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
                              profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
                              caps=caps, report=report, grid=JAX_GRID if backend.name() == "jax" else 0,
-                             scan=backend.name() != "jax")
+                             scan=backend.name() != "jax", compression=compression)
     comm = _COMMS.get(id(runtime))
     if comm is None:
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)

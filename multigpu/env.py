@@ -29,6 +29,8 @@ win over the arguments the script passes to ``parallelize``.
 * ``MULTIGPU_REPLAY``: ``0`` runs Keras's own forward pass at every training step on
   torch instead of replaying its recorded operations (``multigpu.backend.torch.replay``;
   the same numbers either way, so it is for measuring what the replay buys).
+* ``MULTIGPU_OVERLAP``: ``1`` sums gradients in buckets during the backward pass, ``0`` after it, on
+  torch (default: during it over the process group's transport, after it over shared memory).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -56,6 +58,7 @@ TIMEOUT = "MULTIGPU_TIMEOUT"
 TRANSPORT = "MULTIGPU_TRANSPORT"
 PROFILE = "MULTIGPU_PROFILE"
 REPLAY = "MULTIGPU_REPLAY"
+OVERLAP = "MULTIGPU_OVERLAP"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

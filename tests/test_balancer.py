@@ -219,3 +219,27 @@ def test_the_profile_keeps_the_kept_shares_never_a_probe_the_search_is_trying(tm
     b.end_epoch(0)
     saved = read_profile(profile, None)["ratios"]
     assert saved == pytest.approx(list(kept)) and saved != pytest.approx(probe)
+
+
+def test_the_report_tells_the_gradient_sum_from_waiting_for_a_slower_device_and_suggests_compression_once():
+    b, lines = make("1,1", rebalance=False, report=True)
+    b.begin_fit(128, lambda: "sig")
+    for _ in range(4):  # steps of 1 s: CPU:0 computes 0.3 s and waits 0.7, CPU:1 computes 0.5 and waits 0.5
+        b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.3, 0.5), (64, 64)))
+    report = b.end_epoch(0)
+    # The device that reached the sum last (CPU:1) waited 0.5 s a step for the sum alone: the link's time.
+    assert [round(r["sum"], 2) for r in report["devices"]] == [2.0, 2.0]
+    assert [round(r["wait"] - r["sum"], 2) for r in report["devices"]] == [0.8, 0.0]  # waiting for CPU:1
+    row = lines[0].splitlines()[2].split()
+    assert row[-3:-1] == ["50%", "20%"]  # CPU:0: sum 50%, waiting 20%
+    assert [ln for ln in lines if "the link holds the run back" in ln] == [lines[1]]
+    assert "compression='bf16'" in lines[1] and "50%" in lines[1]
+    for _ in range(4):
+        b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.3, 0.5), (64, 64)))
+    b.end_epoch(1)
+    assert sum("the link holds the run back" in ln for ln in lines) == 1  # said once
+    compressed, said = make("1,1", rebalance=False, compression="bf16")
+    compressed.begin_fit(128, lambda: "sig")
+    compressed.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.3, 0.5), (64, 64)))
+    compressed.end_epoch(0)
+    assert not any("the link holds the run back" in ln for ln in said)  # already compressed: nothing to suggest

@@ -13,7 +13,7 @@ from tests.conftest import SCRIPTS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
-MODES = ("gan", "vae", "vae_step", "distiller", "on_batch", "unused", "frozen", "counts")
+MODES = ("gan", "vae", "vae_step", "distiller", "on_batch", "unused", "frozen", "counts", "scaled")
 
 
 def load(path) -> dict:
@@ -47,11 +47,13 @@ def plain(tmp_path_factory):
     return load(out)
 
 
-@pytest.mark.parametrize(("devices", "ratios"), [("cpu:0,cpu:1", "3,1"), ("cpu:0,cpu:1,cpu:2", "1,2,5")])
-def test_custom_steps_match_one_device(runner, plain, devices, ratios):
+@pytest.mark.parametrize(("devices", "ratios", "transport"),
+                         [("cpu:0,cpu:1", "3,1", "gloo"), ("cpu:0,cpu:1,cpu:2", "1,2,5", "shm")])
+def test_custom_steps_match_one_device(runner, plain, devices, ratios, transport):
+    """Over gloo the gradient sums start during the backward pass: every custom step stays exact with them."""
     out = runner.tmp_path / "par.npz"
     res = runner.cli("run", "--devices", devices, "--ratios", ratios, str(SCRIPTS / "custom.py"), str(out),
-                     timeout=200)
+                     timeout=200, extra_env={"MULTIGPU_TRANSPORT": transport})
     assert res.returncode == 0, res.stdout[-4000:]
     got = load(out)
     others = [load(f"{out}.rank{r}.npz") for r in range(1, len(devices.split(",")))]
@@ -71,4 +73,8 @@ def test_custom_steps_match_one_device(runner, plain, devices, ratios):
     assert counts["counts"] == [12, 6 + 5, 4]  # one callback per global batch, as on one device
     assert counts["predict_indexes"] == [0, 1, 2, 3]
     assert got["frozen"]["history"]["warned"] == [1.0]  # "The model does not have any trainable weights."
+    # Two optimizers, two backward passes: both calls' sums start during their backward pass over gloo.
+    assert bool(got["gan"]["overlap"]) == (transport == "gloo")
+    # Gradients changed after the backward pass: the step sums them again (exact above), and overlap stays off.
+    assert not bool(got["scaled"]["overlap"])
     assert runner.leftovers() == []

@@ -64,6 +64,8 @@ def test_parallel_run_matches_single_device(runner, reference, ratios, transport
         assert max_relative_error(ref_weights, weights) <= tolerance, name
         for key in ("loss", "accuracy"):
             np.testing.assert_allclose(history[key], ref_history[key], rtol=tolerance)
+        # over gloo the sums start during the backward pass (torch's post-accumulate-grad hooks)
+        assert bool(np.load(out)[f"{name}.overlap"]) == (transport == "gloo"), name
     # every rank ends with the same weights and the same (global) history
     for r in range(1, n):
         other = load(f"{out}.rank{r}.npz")

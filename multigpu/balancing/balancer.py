@@ -34,6 +34,7 @@ __all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
 WINDOW_SECONDS = 1.5
 WINDOW_STEPS = 3
 INPUT_BOUND = 0.2  # a device that waits this share of its time for input is held back by it
+LINK_BOUND = 0.3  # a run whose gradient sums take this share of every device's time is held back by the link
 
 
 def describe_shares(ratios: Sequence[float]) -> str:
@@ -62,6 +63,7 @@ class BalanceOptions:
         scan: open the search with a scan of far shares (see
             :class:`~multigpu.balancing.search.ShareSearch`); off where each
             new local batch size compiles (JAX).
+        compression: how gradients travel (``None``: exact float32), for the advice on slow links.
     """
 
     spec: RatioSpec
@@ -73,6 +75,7 @@ class BalanceOptions:
     report: bool = False
     grid: int = 0
     scan: bool = True
+    compression: str | None = None
 
 
 @dataclass
@@ -110,6 +113,7 @@ class LoadBalancer:
         self.batch_size: int | None = None
         self.search: ShareSearch | None = None
         self.events: list[Event] = []
+        self._said_link = False
         self.last_report: dict | None = None
         self.planner = StepPlanner(self.shares, rank)
         self._window = _Window()
@@ -223,6 +227,9 @@ class LoadBalancer:
             e["compute"][r] += rec.compute[r]
             e["samples"][r] += rec.samples[r]
             e["input"][r] += rec.input[r] if rec.input else 0.0
+        # The rank that reached the sum last waited for the sum alone (the link); the others' extra wait is
+        # the time they waited for a slower device.
+        e["sum"] += min(max(0.0, s - c) for s, c in zip(rec.step, rec.compute))
         e["steps"] += 1
         if self.search is None or self.batch_size is None:
             return
@@ -311,6 +318,7 @@ class LoadBalancer:
                 "device": d.label, "share": self.ratios[r] / total, "data": max(0.0, wall - step),
                 "input": min(e["input"][r], max(0.0, wall - step)),
                 "compute": compute, "wait": max(0.0, step - compute), "samples": samples, "steps": e["steps"],
+                "sum": min(e["sum"], max(0.0, step - compute)),
                 "samples_per_second": samples / wall if wall else 0.0,
                 "compute_samples_per_second": samples / compute if compute else 0.0,
             })
@@ -319,6 +327,7 @@ class LoadBalancer:
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
         self._check_input(epoch, e)
+        self._check_link(epoch, e)
         if self._changed and self.options.auto:
             self._save_profile()
         return self.last_report
@@ -336,10 +345,23 @@ class LoadBalancer:
                   f"({detail} of their time). More loader workers (PyDataset(workers=...), "
                   "DataLoader(num_workers=...)) or a faster source would speed training; more devices would not.")
 
+    def _check_link(self, epoch: int, e: dict) -> None:
+        """Says once when summing gradients (the link, not a slower device) took much of every device's time."""
+        if self._said_link or not e["steps"] or self.options.compression is not None:
+            return
+        shares = [e["sum"] / w if w else 0.0 for w in e["wall"]]
+        if min(shares) < LINK_BOUND:
+            return
+        self._said_link = True
+        self._log(f"the link holds the run back: in epoch {epoch + 1} summing gradients took {min(shares):.0%} or "
+                  "more of every device's time, waiting for the link rather than for a slower device. "
+                  "parallelize(..., compression='bf16') sends half the bytes (sums rounded to 16 bits, so no longer "
+                  "exact); a larger batch sends the same bytes for more samples.")
+
     def _empty_epoch(self) -> dict:
         n = self.world_size
         return {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n,
-                "input": [0.0] * n, "steps": 0}
+                "input": [0.0] * n, "sum": 0.0, "steps": 0}
 
     def _save_profile(self) -> None:
         self._changed = False

@@ -143,15 +143,20 @@ def format_report(report: dict) -> str:
 
     ``input`` is the time the loop waited for batches, ``loop`` the rest of
     the time between steps (Keras's loop, callbacks), ``compute`` the step
-    without collectives, ``waiting`` the time in collectives.
+    without collectives, ``sum`` the time the gradient sum itself took (the
+    wait of the device that reached it last: the link), ``waiting`` the rest
+    of the time in collectives (waiting for a slower device).
     """
     lines = [f"multigpu: where the time went in epoch {report['epoch'] + 1}:",
-             f"  {'device':<12}{'share':>7}{'input':>7}{'loop':>7}{'compute':>9}{'waiting':>9}{'samples/s':>11}"]
+             f"  {'device':<12}{'share':>7}{'input':>7}{'loop':>7}{'compute':>9}{'sum':>6}{'waiting':>9}"
+             f"{'samples/s':>11}"]
     for row in report["devices"]:
         total = row["data"] + row["compute"] + row["wait"] or 1.0
         waited = row.get("input", 0.0)
+        summed = row.get("sum", 0.0)
         lines.append(
             f"  {row['device']:<12}{row['share']:>7.0%}{waited / total:>7.0%}{(row['data'] - waited) / total:>7.0%}"
-            f"{row['compute'] / total:>9.0%}{row['wait'] / total:>9.0%}{row['samples_per_second']:>11.1f}"
+            f"{row['compute'] / total:>9.0%}{summed / total:>6.0%}{(row['wait'] - summed) / total:>9.0%}"
+            f"{row['samples_per_second']:>11.1f}"
         )
     return "\n".join(lines)

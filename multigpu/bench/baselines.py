@@ -24,8 +24,32 @@ def _torch_optimizer(model, params):
     return make.get(name, lambda: torch.optim.SGD(params, lr=1e-2))()
 
 
+def _compress_hook(dtype):
+    """DDP's ``bf16_compress_hook``/``fp16_compress_hook``, step for step, for any backend.
+
+    torch's own bf16 hook refuses to register without CUDA and NCCL; gloo sums
+    16-bit tensors on CPUs, so this one runs the same steps there: each
+    bucket divided by the world size, cast, summed, cast back.
+    """
+    import torch.distributed as dist
+
+    def compress_hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(group.size())
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return compress_hook
+
+
 def _ddp_run(cfg: dict, spec) -> None:
-    """PyTorch DDP with its own loop and a torch optimizer, equal shares."""
+    """PyTorch DDP with its own loop and a torch optimizer, equal shares (``compression``: DDP's 16-bit hooks)."""
     import keras
     import torch
     import torch.distributed as dist
@@ -41,6 +65,9 @@ def _ddp_run(cfg: dict, spec) -> None:
     x, y = spec.data(batch * (steps + warmup), 0)
     model(x[:1])
     ddp = DistributedDataParallel(model) if runtime.world_size > 1 else model
+    if cfg.get("compression") and runtime.world_size > 1:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg["compression"]]
+        ddp.register_comm_hook(None, _compress_hook(dtype))
     optimizer = _torch_optimizer(model, [p for p in model.parameters() if p.requires_grad])
     loss_fn = model.loss if callable(model.loss) else keras.losses.get(model.loss)
     local = split(batch, [1.0] * runtime.world_size)

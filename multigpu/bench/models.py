@@ -44,8 +44,8 @@ def _w(n: int, width: float) -> int:
     return max(1, round(n * width))
 
 
-def convnet(width: float = 1.0, input_shape=(28, 28, 1), classes: int = 10):
-    """The convnet of the Keras multi-GPU MNIST example (``width`` scales filters)."""
+def convnet(width: float = 1.0, input_shape=(28, 28, 1), classes: int = 10, head: int = 128):
+    """The convnet of the Keras multi-GPU MNIST example (``width`` scales filters, ``head`` the dense layer)."""
     import keras
 
     L = keras.layers
@@ -57,7 +57,7 @@ def convnet(width: float = 1.0, input_shape=(28, 28, 1), classes: int = 10):
     h = L.MaxPooling2D(2)(h)
     h = L.Dropout(0.25)(h)
     h = L.Flatten()(h)
-    h = L.Dense(128, activation="relu")(h)
+    h = L.Dense(head, activation="relu")(h)
     h = L.Dropout(0.5)(h)
     outputs = L.Dense(classes, activation="softmax")(h)
     return keras.Model(inputs, outputs, name="convnet")
@@ -202,6 +202,10 @@ def _compile(loss, optimizer, metrics=("accuracy",)):
 _BUILTIN = {
     "convnet": ModelSpec("convnet", convnet, _classes_data((28, 28, 1), 10, onehot=True),
                          _compile("categorical_crossentropy", "rmsprop")),
+    # The convnet's body with a 4M-parameter dense head at width 0.5 (bench_network.py's model for links).
+    "convnet_head": ModelSpec("convnet_head", lambda width=1.0: convnet(width, head=512),
+                              _classes_data((28, 28, 1), 10, onehot=True), _compile("categorical_crossentropy",
+                                                                                      "rmsprop")),
     "mlp": ModelSpec("mlp", mlp, _classes_data((784,), 10), _compile("sparse_categorical_crossentropy", "sgd")),
     "gru": ModelSpec("gru", gru, _classes_data((40, 16), 4), _compile("sparse_categorical_crossentropy", "adam")),
     "maxing": ModelSpec("maxing", maxing, _classes_data((32, 32, 3), 10),

@@ -75,7 +75,7 @@ def _fit_run(cfg: dict, spec) -> None:
     if parallel is not None:
         st = multigpu.state(model)
         result.update(ratios=st.ratios, shares=st.shares(batch), devices=[d.label for d in st.devices],
-                      report=st.last_report, transport=st.transport)
+                      report=st.last_report, transport=st.transport, overlap=st.overlap)
     _write(cfg, result)
 
 

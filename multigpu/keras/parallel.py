@@ -58,6 +58,8 @@ class State:
         transport: how gradients are summed: ``"shm"``, ``"gloo"``, ``"nccl"`` or ``"none"`` (one device).
         caps: the per-device largest local batch, if given.
         quantum: local batch sizes are multiples of this many rows (JAX's automatic shares: 1/16 of the batch).
+        overlap: whether the last training step summed its gradients in buckets while its backward pass ran
+            (torch over the process group's transport; see ``MULTIGPU_OVERLAP``).
     """
 
     rank: int
@@ -69,6 +71,7 @@ class State:
     transport: str = "none"
     caps: list[int | None] | None = field(default=None)
     quantum: int = 1
+    overlap: bool = False
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
@@ -164,7 +167,7 @@ class ParallelModel:
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
-                     b.quantum)
+                     b.quantum, bool(getattr(self.steps, "overlapping", False)))
 
 
 def _is_parallel_model(model) -> bool:

@@ -14,6 +14,11 @@ compute the same thing.  Modes:
   unused       a model whose last layer never reaches the loss (only an internal ``add_loss``)
   frozen       a model with no trainable weights: fit, evaluate, predict; then one that freezes itself
   counts       callbacks of fit/evaluate/predict at batch_size=1 fire once per global batch
+  scaled       a train_step override that halves its gradients in place between backward and apply
+               (over gloo: the bucketed sums started during backward are stale, the step sums again)
+
+In a parallel run a mode may also return ``overlap``: whether its last step
+summed gradients during the backward pass (``multigpu.state(model).overlap``).
 """
 
 import argparse
@@ -116,7 +121,40 @@ def gan():
     rng = np.random.default_rng(10)
     data = {"real": rng.normal(size=(90, 6)).astype("float32"), "z": rng.normal(size=(90, 3)).astype("float32")}
     h = model.fit(data, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    return {"weights": np.concatenate([flat(d), flat(g)]), "history": history(h)}
+    return {"weights": np.concatenate([flat(d), flat(g)]), "history": history(h), **overlap(model)}
+
+
+def overlap(model) -> dict:
+    if A.plain:
+        return {}
+    import multigpu
+
+    return {"overlap": np.array(multigpu.state(model).overlap)}
+
+
+# ------------------------------------------------------------------ scaled
+class Scaled(keras.Sequential):
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.compute_loss(x, y, self(x, training=True))
+        loss.backward()
+        for v in self.trainable_weights:
+            v.value.grad.mul_(0.5)  # in place, after the backward pass wrote (and multigpu sent) them
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in self.trainable_weights], self.trainable_weights)
+        return {"loss": loss.detach()}
+
+
+def scaled():
+    keras.utils.set_random_seed(18)
+    rng = np.random.default_rng(18)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 2))).astype("float32")
+    model = parallel(Scaled([keras.Input((4,)), layers.Dense(5, activation="tanh"), layers.Dense(2)]))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return {"weights": flat(model), **overlap(model)}
 
 
 # ------------------------------------------------------------------ vae
@@ -346,7 +384,7 @@ def counts():
 
 
 MODES = {"gan": gan, "vae": vae, "vae_step": vae_step, "distiller": distiller, "on_batch": on_batch,
-         "unused": unused, "frozen": frozen, "counts": counts}
+         "unused": unused, "frozen": frozen, "counts": counts, "scaled": scaled}
 
 
 def main():

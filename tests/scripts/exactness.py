@@ -68,6 +68,8 @@ def main() -> None:
         for i, w in enumerate(model.get_weights()):
             arrays[f"{name}.w{i}"] = w
         arrays[f"{name}.history"] = json.dumps(hist.history)
+        if not a.plain:
+            arrays[f"{name}.overlap"] = multigpu.state(model).overlap
     np.savez(a.out if rank == 0 else f"{a.out}.rank{rank}.npz", **arrays)
 
 

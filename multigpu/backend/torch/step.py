@@ -21,12 +21,14 @@ weighted sum, and its logs become global in one collective after it.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
 import keras
 import torch
 
+from multigpu import env
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
 from multigpu.backend.torch import optimizers as blockwise
@@ -52,7 +54,8 @@ class TorchSteps:
         self.comm = parallel.comm
         self.timing = parallel.timing
         self.balancer = parallel.balancer
-        self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression)
+        self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression,
+                                 overlap=_overlap(self.comm))
         self.metrics = GlobalMetrics(model, self.comm)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
@@ -72,6 +75,11 @@ class TorchSteps:
         self._recorded = False
         if self.sync_batchnorm:
             install_global_moments(model)
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether the last training step summed gradients during its backward pass."""
+        return self.sync.overlapping
 
     def methods(self) -> dict:
         """What the model instance gets.
@@ -305,6 +313,19 @@ def _move_to(variables, device: torch.device) -> None:
             value = v.value
             if value.device != device:
                 value.data = value.data.to(device)
+
+
+def _overlap(comm) -> bool:
+    """Whether gradient sums start during the backward pass: over the process group's transport, not shared memory.
+
+    Over shared memory a sum of a whole model takes about a millisecond and
+    the rank computes it itself, so there is nothing to hide it behind
+    (benchmarks/RESULTS.md).  ``MULTIGPU_OVERLAP`` (``0``/``1``) decides instead.
+    """
+    forced = os.environ.get(env.OVERLAP)
+    if forced in ("0", "1"):
+        return forced == "1" and comm.world_size > 1
+    return comm.world_size > 1 and comm.transport != "shm"
 
 
 def _no_ddp() -> None:
