@@ -36,11 +36,11 @@ def test_two_hosts_over_a_shaped_link_match_one_device(runner):
     with Link("1gbit", tag=runner.token[:5]) as link:
         procs = [runner.start(link.command(r, args), extra_env=link.rank_env(r, 29511)) for r in range(2)]
         done = [runner.finish(p, timeout=120) for p in procs]
-        # the ranks reached each other through the veth pair only: nothing listens on it outside
-        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        # both hosts exist while the ranks run
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert link.hosts[0] in names and link.hosts[1] in names
     assert all(d.returncode == 0 for d in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert link.hosts[0] not in names and link.hosts[1] not in names  # cleaned up
     (ref_w, ref_h), (w, h) = load(ref, ("sgd",))["sgd"], load(out, ("sgd",))["sgd"]
     assert max_relative_error(ref_w, w) <= 1e-5

@@ -6,9 +6,10 @@ integration, the command line) is backend-neutral.  A backend module gives:
 * ``bind(device)``: threads and accelerator of this process;
 * ``join(runtime)`` / ``leave(failed)``: enter and leave the run's group;
 * ``Comm(runtime)``: the collectives (every error fatal);
-* ``Steps(parallel_model)``: the training, test and predict steps, whose
-  ``methods()`` the parallel model's instance gets (``multigpu.parallelize``
-  hands the class to :class:`multigpu.keras.parallel.ParallelModel`).
+* ``Steps(parallel_model)``: the training, test and predict steps, a
+  :class:`multigpu.backend.steps.StepsCore` (its docstring is the contract;
+  ``multigpu.parallelize`` hands the class to
+  :class:`multigpu.keras.parallel.ParallelModel`).
 """
 
 from __future__ import annotations

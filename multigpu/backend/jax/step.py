@@ -26,16 +26,17 @@ rows runs the forward and backward pass on its empty batch all the same, so
 that it takes part in every exchange.  With ``compression`` the weighted gradients go in 16 bits, in a collective of
 their own beside the float32 rest (as on torch).
 
-A ``train_step`` of the model's own (JAX's stateless style) runs eagerly:
-each ``optimizer.stateless_apply`` it calls applies the weighted gradients
-summed over ranks, and its logs become global in one collective after it.
-A ``test_step`` of the model's own runs eagerly too, its logs summed alike.
+A ``train_step`` or ``test_step`` of the model's own (JAX's stateless style)
+runs eagerly (:mod:`.custom`).  When the ranks run on different kinds of
+processor, rank 0's weights and optimizer state are sent to all at every
+epoch's end (:meth:`multigpu.backend.steps.StepsCore.realign_replicas`), as on
+torch.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -43,51 +44,25 @@ import keras
 import numpy as np
 
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows, batchnorm_statistics, optimizers_of, own_method
+from multigpu._keras.model_parts import batch_rows, batchnorm_statistics
+from multigpu.backend.jax.custom import EagerSteps
+from multigpu.backend.jax.packing import COMPRESSION, flat, metric_results, split
+from multigpu.backend.steps import StepsCore
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["JaxSteps"]
 
 
-def _flat(values) -> list:
-    return [jnp.ravel(v).astype(jnp.float32) for v in values]
-
-
-def _split(vector, like: list, offset: int = 0) -> list:
-    """Pieces of ``vector`` shaped and typed as ``like``, from ``offset`` on."""
-    out = []
-    for ref in like:
-        n = int(np.prod(ref.shape))
-        part = vector[offset : offset + n].reshape(ref.shape)
-        if not jnp.issubdtype(ref.dtype, jnp.floating):
-            part = jnp.round(part)
-        out.append(part.astype(ref.dtype))
-        offset += n
-    return out
-
-
-COMPRESSION = {None: None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-
-
-def _one_row_of_zeros(data):
-    """A stand-in batch of one row of zeros, shaped and typed as ``data`` (a batch with no rows)."""
-    return keras.tree.map_structure(
-        lambda a: None if a is None else jnp.zeros((1, *np.shape(a)[1:]), getattr(a, "dtype", np.float32)), data)
-
-
-class JaxSteps:
-    """The functions of one parallel model on JAX (see the module docstring).
+class JaxSteps(StepsCore):
+    """The functions of one parallel model on JAX (see the module docstring and :mod:`multigpu.backend.steps`).
 
     Args:
         parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
     """
 
     def __init__(self, parallel) -> None:
-        self.parallel = parallel
-        self.model = model = parallel.model
-        self.comm = parallel.comm
-        self.timing = parallel.timing
-        self.balancer = parallel.balancer
+        super().__init__(parallel)
+        model = self.model
         self.half = COMPRESSION[parallel.options.compression]
         self.exchange = None  # global BatchNorm statistics (``sync_batchnorm=True``): summed inside the step
         if parallel.options.sync_batchnorm:
@@ -97,14 +72,9 @@ class JaxSteps:
             self.exchange = StatisticsExchange(coordination_client(), self.comm.rank, self.comm.world_size,
                                                parallel.runtime.timeout)
             install_global_moments(model, self.exchange)
-        cls = type(model)
-        self.user_train_step = own_method(cls, "train_step")
-        self.user_test_step = own_method(cls, "test_step")
-        self._last_batch = None  # a custom step's last batch with rows, for the steps where this rank has none
-        self._last_test_batch = None
-        self.keras_reset_metrics = cls.reset_metrics.__get__(model)
+        self.eager = EagerSteps(self)  # a train_step or test_step of the model's own
+        self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
-        self._initialized = False
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
         self._train = None
         self._test = None
@@ -119,20 +89,15 @@ class JaxSteps:
                 "make_predict_function": self.make_predict_function,
                 "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
 
-    # ---------------------------------------------------------- first use
-    def _initialize(self) -> None:
-        """Rank 0's weights everywhere, and different random streams on every rank (once)."""
-        if self._initialized:
-            return
-        self._initialized = True
-        model = self.model
-        metric_ids = {id(v) for v in model.metrics_variables}
-        state = [v for v in model.variables if id(v) not in metric_ids]
-        for v, value in zip(state, self.comm.broadcast([np.asarray(v.value) for v in state])):
+    # ---------------------------------------------------------- variables
+    def _broadcast_variables(self, variables, what: str) -> None:
+        for v, value in zip(variables, self.comm.broadcast([np.asarray(v.value) for v in variables], what=what)):
             v.assign(value)
-        for v in _compat.seed_variables(model):  # Dropout must draw different numbers on each rank
+
+    def _offset_seeds(self, variables, offset: int) -> None:
+        for v in variables:
             value = np.asarray(v.value).copy()
-            value[0] = value[0] + np.asarray(1_000_003 * self.comm.rank).astype(value.dtype)
+            value[0] = value[0] + np.asarray(offset).astype(value.dtype)
             v.assign(value)
 
     def _batches(self, one, state, iterator, concatenate: bool = False):
@@ -187,7 +152,7 @@ class JaxSteps:
 
         def pack(grads, metrics, tail):
             """One float32 vector; with compression, the gradients in 16 bits and the float32 rest apart."""
-            rest = [*_flat(metrics), tail]
+            rest = [*flat(metrics), tail]
             if half is None:
                 return jnp.concatenate([grads, *rest])
             return grads.astype(half), jnp.concatenate(rest)
@@ -198,7 +163,7 @@ class JaxSteps:
                                       optimizer_variables=optimizer)
             unscaled, y_pred, non_trainable, metrics = aux
             _, metrics = _compat.update_metrics_variables(model, metrics, unscaled, x, y, y_pred, sample_weight)
-            weighted = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
+            weighted = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in flat(grads))])
             return pack(weighted, metrics, tail), non_trainable, metrics
 
         def idle(metrics, tail):
@@ -213,11 +178,11 @@ class JaxSteps:
                 return weight * sum(jnp.sum(leaf) for leaf in jax.tree.leaves(y_pred)), non_trainable
 
             (_, non_trainable), grads = jax.value_and_grad(forward, has_aux=True)(trainable, non_trainable)
-            weighted = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
+            weighted = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in flat(grads))])
             return pack(weighted, metrics, tail), non_trainable
 
         def apply(trainable, optimizer, summed):
-            grads = _split(summed, trainable_refs)
+            grads = split(summed, trainable_refs)
             trainable, optimizer = model.optimizer.stateless_apply(optimizer, grads, trainable)
             return trainable, optimizer, self._results(summed, metric_refs, n_grads)
 
@@ -229,14 +194,7 @@ class JaxSteps:
         self._train = True
 
     def _results(self, summed, metric_refs: list, offset: int) -> dict:
-        """Keras's metric results with every state replaced by its sum over ranks (traced)."""
-        values = _split(summed, metric_refs, offset)
-        with keras.StatelessScope(state_mapping=list(zip(metric_refs, values))):
-            out = {}
-            for metric in self.model.metrics:
-                value = metric.result()
-                out.update(value if isinstance(value, dict) else {metric.name: value})
-        return out
+        return metric_results(self.model, summed, metric_refs, offset)
 
     def _train_function(self, state, iterator):
         return self._batches(self._train_batch, state, iterator)
@@ -245,9 +203,11 @@ class JaxSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
-            self._calibrate(state, x, y, sample_weight, plan)
+            self._calibrate_on(state, x, y, sample_weight, plan)
         if self.user_train_step is not None:
-            return self._custom_train(state, data, plan)
+            self._fresh = None
+            logs, new_state, self._fresh = self.eager.train(state, data, plan)
+            return logs, new_state
         trainable, non_trainable, optimizer, metrics = state
         self._fresh = None
         self._compiled = False
@@ -286,7 +246,7 @@ class JaxSteps:
     def _record(self, timing) -> None:
         self.balancer.record(StepRecord.from_vector([float(v) for v in timing], self.comm.world_size, complete=True))
 
-    def _calibrate(self, state, x, y, sample_weight, plan) -> None:
+    def _calibrate_on(self, state, x, y, sample_weight, plan) -> None:
         trainable, non_trainable, optimizer, metrics = state
 
         def solo() -> tuple[float, float]:
@@ -294,8 +254,7 @@ class JaxSteps:
                 return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
             return self._solo_rate(trainable, non_trainable, metrics, optimizer, x, y, sample_weight, plan.local)
 
-        self.balancer.calibrate(solo, lambda v: self.comm.sum_floats(v, "calibrating"),
-                                self.parallel.steps_per_epoch)
+        self._calibrate(solo)
 
     def _solo_rate(self, trainable, non_trainable, metrics, optimizer, x, y, sample_weight, rows: int, *,
                    min_steps: int = 2, min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
@@ -322,94 +281,6 @@ class JaxSteps:
                     break
         return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
 
-    # ---------------------------------------------------------- custom training
-    def _custom_train(self, state, data, plan):
-        """A ``train_step`` of the model's own, run eagerly: each ``optimizer.stateless_apply`` it calls
-        applies the gradients times ``b_r / B`` summed over ranks.
-
-        A rank with no rows runs the step on its last batch (before its first
-        rows, on one row of zeros) with gradient weight 0, so that it makes the
-        same optimizer calls as the others; it sends zeros and keeps its
-        non-trainable and metric states as they were.
-        """
-        idle = plan.local == 0
-        if not idle:
-            self._last_batch = data
-        elif self._last_batch is None:
-            self._last_batch = _one_row_of_zeros(data)
-        self._fresh = None
-        self.timing.begin()
-        if self.exchange is not None:
-            self.exchange.begin_step(plan.weight, not idle)
-        with self._summed_optimizers(0.0 if idle else plan.weight):
-            logs, new_state = self.user_train_step(self.model, state, self._last_batch if idle else data)
-        if idle and self.exchange is None:
-            new_state = (new_state[0], state[1], new_state[2], state[3])
-        elif idle:  # the moving statistics follow the global batch, as on the other ranks
-            new_state = (new_state[0], new_state[1], new_state[2], state[3])
-        logs = self._global_logs(logs, new_state[3], 0 if idle else plan.local)
-        if self.exchange is not None:
-            self.exchange.end_step()
-        self.timing.end(plan.local)
-        return logs, new_state
-
-    def _optimizers(self) -> list:
-        return optimizers_of(self.model)
-
-    @contextmanager
-    def _summed_optimizers(self, weight: float):
-        """Within the block, every optimizer's ``stateless_apply`` applies the weighted gradients summed over
-        ranks (one collective per call)."""
-        patched = []
-        for optimizer in self._optimizers():
-            original = optimizer.stateless_apply
-
-            def summed_apply(optimizer_variables, grads, trainable_variables, _original=original):
-                if weight == 0:  # no rows here: zeros, whatever the step computed on its stand-in batch (NaN)
-                    flat = jnp.zeros(sum(int(np.prod(g.shape)) for g in grads), jnp.float32)
-                else:
-                    flat = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in _flat(grads))])
-                flat = jax.block_until_ready(flat if self.half is None else flat.astype(self.half))
-                with self.timing.waiting():
-                    summed = self.comm.reduce(flat, "summing gradients").astype(np.float32, copy=False)
-                return _original(optimizer_variables, _split(jnp.asarray(summed), list(grads)),
-                                 trainable_variables)
-
-            object.__setattr__(optimizer, "stateless_apply", summed_apply)
-            patched.append(optimizer)
-        try:
-            yield
-        finally:
-            for optimizer in patched:
-                object.__delattr__(optimizer, "stateless_apply")
-
-    def _global_logs(self, logs: dict, metrics: list, rows: int, timing: bool = True) -> dict:
-        """The step's logs over every rank: metrics from summed states, other scalars as rows-weighted means;
-        the step timings travel in the same collective (training only)."""
-        refs = list(self.model.metrics_variables)
-        with keras.StatelessScope(state_mapping=list(zip(refs, metrics))):
-            names = set(self.keras_metrics_result())
-        extra = [k for k in logs if k not in names]
-        for k in extra:
-            if np.size(logs[k]) != 1:
-                raise ValueError(f"multigpu: the step logged {k!r} with shape {tuple(np.shape(logs[k]))}; logs must "
-                                 "be metrics (in model.metrics) or scalars, so that every rank can show the global "
-                                 "value.")
-        timings = self.timing.vector() if timing else []
-        tail = np.asarray([*(float(logs[k]) * rows for k in extra), float(rows), *timings], np.float32)
-        n_states = sum(int(np.prod(v.shape)) for v in refs)
-        summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat(metrics), jnp.asarray(tail)]),
-                                  "summing the step's logs")
-        out = dict(self._results(jnp.asarray(summed), refs, 0))
-        total = float(summed[n_states + len(extra)])
-        for i, k in enumerate(extra):
-            out[k] = float(summed[n_states + i]) / total if total else 0.0
-        if timing:
-            self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
-                                                        self.comm.world_size, complete=True))
-        self._fresh = out
-        return {k: out[k] for k in logs if k in out}
-
     # ---------------------------------------------------------- evaluation
     def make_test_function(self, force: bool = False):
         self._initialize()
@@ -434,7 +305,7 @@ class JaxSteps:
             return self._results(summed, metric_refs, 0)
 
         self._test_local = jax.jit(local, donate_argnums=(2,))
-        self._test_pack = jax.jit(lambda metrics: jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat(metrics)]))
+        self._test_pack = jax.jit(lambda metrics: jnp.concatenate([jnp.zeros(0, jnp.float32), *flat(metrics)]))
         self._test_results = jax.jit(results)
         self._test_n = n_states
         self._test = True
@@ -448,7 +319,8 @@ class JaxSteps:
         rows = batch_rows(x)
         self._fresh = None
         if self.user_test_step is not None:
-            return self._custom_test(state, data, rows)
+            logs, new_state, self._fresh = self.eager.test(state, data, rows)
+            return logs, new_state
         if rows > 0:
             non_trainable, metrics = self._timed_first(
                 "test", rows, lambda: self._test_local(trainable, non_trainable, metrics, x, y, sample_weight))
@@ -456,22 +328,6 @@ class JaxSteps:
         logs = self._test_results(summed)
         self._fresh = logs
         return logs, (trainable, non_trainable, metrics)
-
-    def _custom_test(self, state, data, rows: int):
-        """A ``test_step`` of the model's own, run eagerly; its logs summed over ranks.
-
-        A rank with no rows runs it on its last batch (before its first rows,
-        on one row of zeros), so that it logs the same names as the others, and
-        keeps its states as they were.
-        """
-        if rows > 0:
-            self._last_test_batch = data
-        elif self._last_test_batch is None:
-            self._last_test_batch = _one_row_of_zeros(data)
-        logs, new_state = self.user_test_step(self.model, state, data if rows > 0 else self._last_test_batch)
-        if rows == 0:
-            new_state = state
-        return self._global_logs(logs, new_state[2], rows, timing=False), new_state
 
     # ---------------------------------------------------------- prediction
     def make_predict_function(self, force: bool = False):
@@ -507,7 +363,7 @@ class JaxSteps:
             return self.keras_metrics_result()
         if self._fresh is None:
             refs = list(self.model.metrics_variables)
-            summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *_flat([v.value for v in refs])]),
+            summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat([v.value for v in refs])]),
                                       "summing metrics")
             self._fresh = self._results(jnp.asarray(summed), refs, 0)  # eagerly: rare, and nothing to compile
         return {k: np.asarray(v) if hasattr(v, "shape") and v.shape else float(v) for k, v in self._fresh.items()}
@@ -517,9 +373,6 @@ class JaxSteps:
         return self.keras_reset_metrics()
 
     # ---------------------------------------------------------- between epochs
-    def realign_replicas(self) -> None:
-        """Nothing to do: every rank is a CPU device and computes bit-identical updates."""
-
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks, weighted by share."""
         variables = batchnorm_statistics(self.model)

@@ -31,6 +31,7 @@ import torch
 from multigpu import env
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
+from multigpu.backend.steps import StepsCore
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
@@ -41,19 +42,16 @@ from multigpu.balancing.timing import StepRecord
 __all__ = ["TorchSteps"]
 
 
-class TorchSteps:
-    """The steps of one parallel model (see the module docstring).
+class TorchSteps(StepsCore):
+    """The steps of one parallel model (see the module docstring and :mod:`multigpu.backend.steps`).
 
     Args:
         parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
     """
 
     def __init__(self, parallel) -> None:
-        self.parallel = parallel
-        self.model = model = parallel.model
-        self.comm = parallel.comm
-        self.timing = parallel.timing
-        self.balancer = parallel.balancer
+        super().__init__(parallel)
+        model = self.model
         self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression,
                                  overlap=_overlap(self.comm))
         self.metrics = GlobalMetrics(model, self.comm)
@@ -61,8 +59,6 @@ class TorchSteps:
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
         self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm)
         cls = type(model)
-        self.user_train_step = own_method(cls, "train_step")
-        self.user_test_step = own_method(cls, "test_step")
         self.user_predict_step = own_method(cls, "predict_step")
         self.keras_test_step = keras.Model.test_step.__get__(model)
         self.keras_predict_step = keras.Model.predict_step.__get__(model)
@@ -70,7 +66,6 @@ class TorchSteps:
         self.keras_compute_metrics = (own_method(cls, "compute_metrics") is None
                                       and own_method(cls, "get_metrics_result") is None)
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
-        self._initialized = False
         self._replay: list[tuple] = []
         self._recorded = False
         if self.sync_batchnorm:
@@ -78,7 +73,6 @@ class TorchSteps:
 
     @property
     def overlapping(self) -> bool:
-        """Whether the last training step summed gradients during its backward pass."""
         return self.sync.overlapping
 
     def methods(self) -> dict:
@@ -91,20 +85,15 @@ class TorchSteps:
                 "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics,
                 "_initialize_ddp": _no_ddp}
 
-    # ---------------------------------------------------------- first step
-    def _initialize(self) -> None:
-        """Rank 0's weights everywhere, and different random streams on every rank (once, at the first step)."""
-        if self._initialized:
-            return
-        self._initialized = True
-        seeds = _compat.seed_variables(self.model)
-        metric_ids = {id(v) for m in self.model.metrics for v in m.variables}
-        state = [v for v in self.model.variables if id(v) not in metric_ids]
+    # ---------------------------------------------------------- variables
+    def _broadcast_variables(self, variables, what: str) -> None:
         _move_to(self.model.variables, self.comm.device)
-        self.comm.broadcast([v.value for v in state])
+        self.comm.broadcast([v.value for v in variables], what=what)
+
+    def _offset_seeds(self, variables, offset: int) -> None:
         with torch.no_grad():
-            for v in seeds:  # Dropout must draw different numbers on each rank
-                v.value[0] += 1_000_003 * self.comm.rank
+            for v in variables:
+                v.value[0] += offset
 
     def _optimizers(self) -> list:
         return optimizers_of(self.model)
@@ -115,7 +104,7 @@ class TorchSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
-            self._calibrate(x, y, sample_weight, plan)
+            self._calibrate_on(x, y, sample_weight, plan)
         self.metrics.invalidate()
         self.timing.begin()
         for optimizer in self._optimizers():
@@ -200,14 +189,13 @@ class TorchSteps:
             self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size, complete=True))
         return logs
 
-    def _calibrate(self, x, y, sample_weight, plan) -> None:
+    def _calibrate_on(self, x, y, sample_weight, plan) -> None:
         def solo() -> tuple[float, float]:
             if plan.local == 0 or self.user_train_step is not None:
                 return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
             return self._solo_rate(x, y, sample_weight)
 
-        self.balancer.calibrate(solo, lambda v: self.comm.sum_floats(v, "calibrating"),
-                                self.parallel.steps_per_epoch)
+        self._calibrate(solo)
 
     def _solo_rate(self, x, y, sample_weight, *, warmup: int = 1, min_steps: int = 2, min_seconds: float = 1.0,
                    max_steps: int = 30) -> tuple[float, float]:
@@ -274,27 +262,6 @@ class TorchSteps:
     def reset_metrics(self):
         self.metrics.invalidate()
         return self.keras_reset_metrics()
-
-    def realign_replicas(self) -> None:
-        """Rank 0's weights and optimizer state on every rank, when the ranks run on different kinds of processor.
-
-        Every rank applies the same summed gradient, but a GPU and a CPU round
-        the optimizer's arithmetic differently (fused multiply-adds, vector
-        widths), so their weights part by about 1e-7 a step.  Once an epoch
-        rank 0's copy is sent to all: saves, validation and the next epoch
-        start from one model.  Ranks on one kind of processor compute
-        bit-identical updates and skip this.
-        """
-        if len({d.kind for d in self.comm.runtime.devices}) < 2:
-            return
-        seen: set[int] = set()
-        variables = []
-        metric_ids = {id(v) for m in self.model.metrics for v in m.variables}
-        for v in [*self.model.variables, *(v for o in self._optimizers() for v in o.variables)]:
-            if id(v) not in seen and id(v) not in metric_ids:
-                seen.add(id(v))
-                variables.append(v)
-        self.comm.broadcast([v.value for v in variables], what="realigning the replicas")
 
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks by share (no-op with global statistics)."""

@@ -1,0 +1,124 @@
+"""What every backend's steps do, and the part they share.
+
+A backend's ``Steps(parallel_model)`` is the one object between Keras's loops
+and the backend's collectives for one parallel model.  The contract, which
+:class:`multigpu.keras.parallel.ParallelModel` and its loops and callbacks
+rely on:
+
+* ``methods()``: the methods the model *instance* gets (its class is
+  untouched): the training, test and predict steps or functions Keras's loop
+  calls, ``get_metrics_result`` (global results) and ``reset_metrics``;
+* ``overlapping``: whether the last training step summed gradients while its
+  backward pass ran;
+* ``realign_replicas()`` and ``sync_batchnorm_statistics()`` at every epoch's
+  end (``multigpu.keras.callbacks.EpochHooks``).
+
+Inside a training step, in this order, on every rank: the plan of the global
+batch is taken (this rank's rows and gradient weight ``b_r / B``,
+:mod:`multigpu.planning.plan`); the first step calibrates when shares are
+automatic; the gradients times ``b_r / B`` are summed over ranks together
+with the metric states and the step's timings; the balancer reads the timings.
+
+:class:`StepsCore` holds what is the same on every backend: the first-use
+initialisation (rank 0's weights everywhere, a different random stream per
+rank), the calibration call, and the realignment of replicas that run on
+different kinds of processor.  A backend implements the variable transfers
+(:meth:`StepsCore._broadcast_variables`, :meth:`StepsCore._offset_seeds`) and
+its steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import optimizers_of, own_method
+
+__all__ = ["SEED_STRIDE", "StepsCore"]
+
+SEED_STRIDE = 1_000_003  # rank r's seed variables are offset by r times this: Dropout draws differ per rank
+
+
+class StepsCore:
+    """The backend-neutral part of a parallel model's steps (see the module docstring).
+
+    Args:
+        parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
+    """
+
+    def __init__(self, parallel) -> None:
+        self.parallel = parallel
+        self.model = parallel.model
+        self.comm = parallel.comm
+        self.timing = parallel.timing
+        self.balancer = parallel.balancer
+        cls = type(self.model)
+        self.user_train_step = own_method(cls, "train_step")
+        self.user_test_step = own_method(cls, "test_step")
+        self._initialized = False
+
+    # ---------------------------------------------------------- the contract
+    def methods(self) -> dict:
+        """What the model instance gets."""
+        raise NotImplementedError
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether the last training step summed gradients during its backward pass."""
+        return False
+
+    def sync_batchnorm_statistics(self) -> None:
+        """BatchNorm moving statistics made equal on every rank (at an epoch's end)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------- backend hooks
+    def _broadcast_variables(self, variables: Sequence, what: str) -> None:
+        """Rank 0's values of ``variables`` (Keras variables) on every rank."""
+        raise NotImplementedError
+
+    def _offset_seeds(self, variables: Sequence, offset: int) -> None:
+        """Adds ``offset`` to the first element of each seed variable."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------- shared
+    def _state_variables(self, with_optimizers: bool = False) -> list:
+        """The model's variables without metric states (and the optimizers' with ``with_optimizers``), once each."""
+        metric_ids = {id(v) for m in self.model.metrics for v in m.variables}
+        pool = list(self.model.variables)
+        if with_optimizers:
+            pool += [v for o in optimizers_of(self.model) for v in o.variables]
+        seen: set[int] = set()
+        out = []
+        for v in pool:
+            if id(v) not in seen and id(v) not in metric_ids:
+                seen.add(id(v))
+                out.append(v)
+        return out
+
+    def _initialize(self) -> None:
+        """Rank 0's weights everywhere, and different random streams on every rank (once, at first use)."""
+        if self._initialized:
+            return
+        self._initialized = True
+        seeds = _compat.seed_variables(self.model)
+        self._broadcast_variables(self._state_variables(), "broadcasting the initial weights")
+        self._offset_seeds(seeds, SEED_STRIDE * self.comm.rank)
+
+    def _calibrate(self, solo: Callable[[], tuple[float, float]]) -> None:
+        """Sets automatic shares from each rank's ``solo()`` (samples/s alone, seconds it took)."""
+        self.balancer.calibrate(solo, lambda v: self.comm.sum_floats(v, "calibrating"),
+                                self.parallel.steps_per_epoch)
+
+    def realign_replicas(self) -> None:
+        """Rank 0's weights and optimizer state on every rank, when the ranks run on different kinds of processor.
+
+        Every rank applies the same summed gradient, but a GPU and a CPU round
+        the optimizer's arithmetic differently (fused multiply-adds, vector
+        widths), so their weights part by about 1e-7 a step.  Once an epoch
+        rank 0's copy is sent to all: saves, validation and the next epoch
+        start from one model.  Ranks on one kind of processor compute
+        bit-identical updates and skip this.
+        """
+        if len({d.kind for d in self.comm.runtime.devices}) < 2:
+            return
+        self._broadcast_variables(self._state_variables(with_optimizers=True), "realigning the replicas")
