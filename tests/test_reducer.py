@@ -153,10 +153,10 @@ def test_compression_sends_16_bits_and_keeps_the_weighting_exact(compression, to
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_compressed_gradients_are_the_same_numbers_as_one_mixed_dtype_multiply(compression):
     """Cast a chunk at a time through float32 (fast on a CPU), read back into one kept buffer."""
-    from multigpu.backend.torch import reducer
+    from multigpu.backend.torch import flat, reducer
 
     half = reducer.COMPRESSION[compression]
-    grads = [torch.randn(2 * reducer._CAST_CHUNK + 123, generator=torch.Generator().manual_seed(5)), torch.randn(7)]
+    grads = [torch.randn(2 * flat.CAST_CHUNK + 123, generator=torch.Generator().manual_seed(5)), torch.randn(7)]
 
     def body(rank, sync):
         sync.compression = compression

@@ -4,10 +4,10 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
+import keras
 
-from multigpu.backend.steps import SEED_STRIDE, StepsCore  # noqa: E402
-from multigpu.devices import Device  # noqa: E402
+from multigpu.backend.steps import SEED_STRIDE, StepsCore
+from multigpu.devices import Device
 
 
 class Recorded(StepsCore):
@@ -56,6 +56,7 @@ def test_first_use_sends_rank_0s_weights_without_metric_states_and_offsets_seeds
     steps._initialize()
     assert len(steps.sent) == 1
     what, sent = steps.sent[0]
+    assert what == "broadcasting the initial weights"
     metric_ids = {id(v) for m in model.metrics for v in m.variables}
     assert metric_ids and not metric_ids & {id(v) for v in sent}
     assert {id(v) for v in model.trainable_variables} <= {id(v) for v in sent}

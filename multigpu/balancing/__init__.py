@@ -2,8 +2,9 @@
 kept between runs (``profiles``) and measured (``timing``)."""
 
 from multigpu.balancing.balancer import BalanceOptions, LoadBalancer, describe_shares
-from multigpu.balancing.search import Event, ShareSearch, Window, balance_efficiency
+from multigpu.balancing.search import ShareSearch
 from multigpu.balancing.timing import StepRecord, StepTiming
+from multigpu.balancing.windows import Event, Window, balance_efficiency
 
 __all__ = [
     "BalanceOptions",

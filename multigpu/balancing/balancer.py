@@ -23,9 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from multigpu.balancing.advice import Advice, describe_shares
 from multigpu.balancing.profiles import ProfileError, default_profile_path, profile_key, read_profile, write_profile
-from multigpu.balancing.search import Event, ShareSearch, Window
+from multigpu.balancing.search import ShareSearch, Window
 from multigpu.balancing.timing import StepRecord, format_report
+from multigpu.balancing.windows import Event
 from multigpu.planning.plan import StepPlanner
 from multigpu.planning.shares import RatioSpec, capped_split
 
@@ -33,16 +35,6 @@ __all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
 
 WINDOW_SECONDS = 1.5
 WINDOW_STEPS = 3
-INPUT_BOUND = 0.2  # a device that waits this share of its time for input is held back by it
-LINK_BOUND = 0.3  # a run whose gradient sums take this share of every device's time is held back by the link
-
-
-def describe_shares(ratios: Sequence[float]) -> str:
-    """Shares as percentages, e.g. ``"67%/33%"``."""
-    total = sum(ratios)
-    return "/".join(f"{r / total:.0%}" for r in ratios)
-
-
 @dataclass
 class BalanceOptions:
     """What the user asked of the balancer (see ``parallelize``).
@@ -113,15 +105,12 @@ class LoadBalancer:
         self.batch_size: int | None = None
         self.search: ShareSearch | None = None
         self.events: list[Event] = []
-        self._said_link = False
         self.last_report: dict | None = None
         self.planner = StepPlanner(self.shares, rank)
         self._window = _Window()
         self._epoch = self._empty_epoch()
         self._changed = False
-        self._said_no_gain = False
-        self._said_input_bound = False
-        self._windows = 0
+        self.advice = Advice(self.devices, log, options.compression)
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
@@ -256,55 +245,12 @@ class LoadBalancer:
         self.ratios = list(self.search.ratios)
         for event in events:
             self.events.append(event)
-            self._log_event(event)
+            self.advice.event(event)
         if self.ratios != before:
             self._changed = True
-        self._check_gain(window)
-
-    def _log_event(self, e: Event) -> None:
-        if e.kind == "keep":
-            self._log(f"shares {describe_shares(e.before)} -> {describe_shares(e.after)}: "
-                      f"{e.throughput_after:.0f} samples/s against {e.throughput_before:.0f} ({e.reason}), kept")
-        elif e.kind == "undo":
-            self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
-                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}): undone")
-        elif e.kind == "scanned":
-            self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
-                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}, scanning)")
-        elif e.kind == "settle":
-            self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s): "
-                      f"{e.reason}")
-        elif e.kind == "restart":
-            self._log(f"searching shares again: {e.reason} ({e.throughput_after:.0f} samples/s, "
-                      f"{e.throughput_before:.0f} before)")
-
-    def _check_gain(self, window: Window) -> None:
-        """Says once when the devices together are slower than the fastest one alone.
-
-        Judged on windows at the shares the search settled on: a window at
-        shares the search only tries (a scan point far from the best, a move
-        it undoes) says nothing about what the devices can do together.
-        """
-        self._windows += 1
         search = self.search
         settled = search is not None and search.settled and search.shares(window.ratios) == search.shares()
-        if self._said_no_gain or not self.solo_speeds or self._windows < 3 or not settled:
-            return
-        best = max(self.solo_speeds)
-        if window.throughput >= 0.9 * best:  # clearly slower, not a noisy window
-            return
-        self._said_no_gain = True
-        fastest = self.devices[self.solo_speeds.index(best)].label
-        batch = self.batch_size or 0
-        step = window.seconds * batch / max(window.samples, 1)
-        # A step costs about c + B / (sum of solo speeds) on all devices and B / best on the fastest alone:
-        # c (communication and per-step work) is what the devices must earn back.
-        c = max(0.0, step - batch / sum(self.solo_speeds))
-        gain = 1.0 / best - 1.0 / sum(self.solo_speeds)
-        pays = f"; from a global batch of about {int(c / gain) + 1} they would pay" if gain > 0 else ""
-        self._log(f"at a global batch of {batch} the {self.world_size} devices together run "
-                  f"{window.throughput:.0f} samples/s, less than {fastest} alone ({best:.0f} samples/s in "
-                  f"calibration): communication and per-step work cost more than they save{pays}.")
+        self.advice.gain(window, settled, self.solo_speeds, self.batch_size or 0)
 
     def end_epoch(self, epoch: int) -> dict:
         """The epoch's per-device breakdown (from the shared records); saves the profile if shares moved."""
@@ -326,37 +272,10 @@ class LoadBalancer:
         self._epoch = self._empty_epoch()
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
-        self._check_input(epoch, e)
-        self._check_link(epoch, e)
+        self.advice.epoch(epoch, e)
         if self._changed and self.options.auto:
             self._save_profile()
         return self.last_report
-
-    def _check_input(self, epoch: int, e: dict) -> None:
-        """Says once when waiting for input took a fifth or more of a device's time in an epoch."""
-        if self._said_input_bound or not e["steps"]:
-            return
-        waited = [i / w if w else 0.0 for i, w in zip(e["input"], e["wall"])]
-        if max(waited) < INPUT_BOUND:
-            return
-        self._said_input_bound = True
-        detail = ", ".join(f"{d.label} {f:.0%}" for d, f in zip(self.devices, waited))
-        self._log(f"the input holds the run back: in epoch {epoch + 1} the devices waited for their batches "
-                  f"({detail} of their time). More loader workers (PyDataset(workers=...), "
-                  "DataLoader(num_workers=...)) or a faster source would speed training; more devices would not.")
-
-    def _check_link(self, epoch: int, e: dict) -> None:
-        """Says once when summing gradients (the link, not a slower device) took much of every device's time."""
-        if self._said_link or not e["steps"] or self.options.compression is not None:
-            return
-        shares = [e["sum"] / w if w else 0.0 for w in e["wall"]]
-        if min(shares) < LINK_BOUND:
-            return
-        self._said_link = True
-        self._log(f"the link holds the run back: in epoch {epoch + 1} summing gradients took {min(shares):.0%} or "
-                  "more of every device's time, waiting for the link rather than for a slower device. "
-                  "parallelize(..., compression='bf16') sends half the bytes (sums rounded to 16 bits, so no longer "
-                  "exact); a larger batch sends the same bytes for more samples.")
 
     def _empty_epoch(self) -> dict:
         n = self.world_size

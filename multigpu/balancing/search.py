@@ -43,169 +43,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from multigpu.balancing.costs import StepCosts
+from multigpu.balancing.tuning import Tuning
+from multigpu.balancing.windows import Event, Window, balance_efficiency, normalize
 from multigpu.planning.shares import capped_split, predicted_step_time
 
-__all__ = ["Event", "ShareSearch", "Window", "balance_efficiency"]
-
-
-def balance_efficiency(throughput: float, solo_speeds: Sequence[float]) -> float:
-    """Throughput over the sum of each device's solo throughput."""
-    return throughput / sum(solo_speeds)
-
-
-@dataclass(frozen=True)
-class Window:
-    """Steps run at one set of shares, measured on every rank alike.
-
-    Attributes:
-        ratios: the shares the steps ran with.
-        samples: global samples in the window.
-        seconds: wall time of the window (the slowest rank's view).
-        compute: per device, seconds spent computing (not waiting).
-        local: per device, samples processed.
-    """
-
-    ratios: tuple[float, ...]
-    samples: int
-    seconds: float
-    compute: tuple[float, ...]
-    local: tuple[int, ...]
-
-    @property
-    def throughput(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
-
-    def speeds(self) -> list[float] | None:
-        """Per-device compute speed (samples/s), or None when some device did no work."""
-        if any(t <= 0 or n <= 0 for t, n in zip(self.compute, self.local)):
-            return None
-        return [n / t for n, t in zip(self.local, self.compute)]
-
-
-@dataclass(frozen=True)
-class Event:
-    """One decision of the search, for the log.
-
-    Attributes:
-        kind: ``"scan"`` (trying ``after`` for one window of the opening scan),
-            ``"scanned"`` (what ``before`` measured there), ``"probe"`` (trying
-            ``after``), ``"jump"`` (trying the shares the compute speeds call
-            for, or the best of the scan), ``"keep"``, ``"undo"``,
-            ``"settle"``, ``"restart"``, ``"rebase"`` (the kept shares were
-            measured anew).
-        before: the shares before the decision.
-        after: the shares after it.
-        throughput_before: samples/s at ``before`` (0 when not measured).
-        throughput_after: samples/s measured at the tried shares.
-        reason: a few words on why.
-    """
-
-    kind: str
-    before: tuple[float, ...]
-    after: tuple[float, ...]
-    throughput_before: float = 0.0
-    throughput_after: float = 0.0
-    reason: str = ""
-
-
-def _normalize(ratios: Sequence[float]) -> tuple[float, ...]:
-    total = float(sum(ratios))
-    return tuple(float(r) / total for r in ratios)
-
-
-class StepCosts:
-    """Each device's compute time per step as ``fixed + per_row * rows``, fitted to recent windows.
-
-    A device's step costs more than its rows: the framework's per-step work
-    (Python, kernel launches, a throttled device's bursts) is paid whatever
-    the share.  Where that fixed part is large (small models, small batches,
-    a slow device), shares in proportion to the speeds give the slow device
-    too much: the best shares give it fewer rows, or none.  The windows at
-    different shares that the search measures anyway fit both parts, by
-    least squares per device over the last ``keep`` shares measured (each
-    the mean of its last ``depth`` windows, so that a long stay at one share
-    does not push the others out).
-
-    Args:
-        batch_size: the global batch.
-        keep: how many recently measured shares the fit uses.
-        spread: the smallest range of a device's rows over those shares, as a
-            fraction of the batch, for the fit to be trusted.
-        depth: how many recent windows a share's point averages.
-    """
-
-    def __init__(self, batch_size: int, keep: int = 8, spread: float = 0.03, depth: int = 4) -> None:
-        self.batch_size = batch_size
-        self.keep = keep
-        self.spread = spread
-        self.depth = depth
-        # rows per step -> recent compute seconds per step, per device (oldest first)
-        self._points: dict[tuple[float, ...], list[list[float]]] = {}
-
-    def add(self, window: Window) -> None:
-        steps = window.samples / self.batch_size
-        if steps <= 0 or any(t <= 0 for t in window.compute):
-            return
-        rows = tuple(round(n / steps, 6) for n in window.local)
-        runs = self._points.pop(rows, [])
-        self._points[rows] = [*runs[-(self.depth - 1):], [t / steps for t in window.compute]]
-        while len(self._points) > self.keep:
-            del self._points[next(iter(self._points))]
-
-    def clear(self) -> None:
-        self._points = {}
-
-    def describes(self, window: Window, tolerance: float = 0.25) -> bool:
-        """True when the fit predicts every device's compute time in ``window`` within ``tolerance``: after a
-        change of throughput, the devices are the same and the machine was noisy; otherwise a device changed."""
-        costs = self.fit()
-        steps = window.samples / self.batch_size
-        if costs is None or steps <= 0:
-            return False
-        for n, t, (c, k) in zip(window.local, window.compute, costs):
-            predicted = c + k * n / steps
-            if predicted > 0 and abs(t / steps - predicted) > tolerance * predicted:
-                return False
-        return True
-
-    def fit(self) -> list[tuple[float, float]] | None:
-        """Per device ``(fixed seconds, seconds per row)``, or None until the windows span enough shares."""
-        if len(self._points) < 3:
-            return None
-        points = [(rows, [statistics.fmean(run[r] for run in runs) for r in range(len(rows))])
-                  for rows, runs in self._points.items()]
-        out = []
-        for r in range(len(points[0][0])):
-            rows = [p[0][r] for p in points]
-            times = [p[1][r] for p in points]
-            if max(rows) - min(rows) < self.spread * self.batch_size:
-                return None
-            mean_b, mean_t = statistics.fmean(rows), statistics.fmean(times)
-            var = sum((b - mean_b) ** 2 for b in rows)
-            per_row = sum((b - mean_b) * (t - mean_t) for b, t in zip(rows, times)) / var
-            fixed = mean_t - per_row * mean_b
-            if per_row <= 0 or fixed < 0:  # noise beyond what two parameters can say: proportional speeds
-                per_row, fixed = sum(times) / max(sum(rows), 1e-12), 0.0
-            out.append((fixed, per_row))
-        return out
-
-    @staticmethod
-    def step_time(shares: Sequence[int], costs: Sequence[tuple[float, float]]) -> float:
-        """Predicted step time: the slowest device (a device with no rows computes nothing)."""
-        return max((c + k * b if b else 0.0) for b, (c, k) in zip(shares, costs))
-
-    def best_ratios(self, costs: Sequence[tuple[float, float]]) -> tuple[float, ...]:
-        """Shares that end every device's step together: ``fixed_r + per_row_r * b_r = T`` for all devices
-        with rows, ``sum(b_r) = B`` (a device whose fixed part alone exceeds ``T`` gets none)."""
-        lo, hi = 0.0, max(c + k * self.batch_size for c, k in costs)
-        for _ in range(60):
-            t = (lo + hi) / 2
-            if sum(max(0.0, (t - c) / k) for c, k in costs) < self.batch_size:
-                lo = t
-            else:
-                hi = t
-        rows = [max(0.0, (hi - c) / k) for c, k in costs]
-        return _normalize(rows)
+__all__ = ["Event", "ShareSearch", "StepCosts", "Tuning", "Window", "balance_efficiency"]
 
 
 @dataclass
@@ -234,6 +77,7 @@ class ShareSearch:
             that gets few rows can run them within its bursts, and a step by
             step search stops on the plateau before.  ``()`` skips it (JAX,
             where every new local batch size compiles).
+        tuning: the thresholds (:class:`Tuning`).
     """
 
     ratios: Sequence[float]
@@ -247,13 +91,14 @@ class ShareSearch:
     patience: int = 4
     fixed_costs: bool = True
     scan: tuple[float, ...] = (0.1, 0.25)
+    tuning: Tuning = field(default_factory=Tuning)
     base: tuple[float, ...] = field(init=False)
     step: float = field(init=False)
     settled: bool = field(default=False, init=False)
     changes: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self.ratios = _normalize(self.ratios)
+        self.ratios = normalize(self.ratios)
         self.base = tuple(self.ratios)
         self.step = self.first_step
         self._base_runs: list[float] = []  # throughput of recent windows at `base`
@@ -269,11 +114,21 @@ class ShareSearch:
         self._undone = 0  # undone moves since the last kept one
         self._costs = StepCosts(self.batch_size)
         self._window: Window | None = None  # the last window observed
-        self._scan_queue: list[tuple[float, ...]] | None = None  # None: the scan has not started
+        self._scan_opened = False  # the opening scan's points were chosen (once per search object)
+        self._scan_queue: list[tuple[float, ...]] = []  # the scan's points not yet measured
         self._scanned: list[tuple[float, tuple[float, ...]]] = []  # (samples/s, shares) of the scan's windows
         self._strict = False  # the trial is the best of the scan
         self._jumps: set[tuple[int, ...]] = set()  # where this search has jumped to
         self._watched: list[float] = []  # recent windows at the settled shares
+
+    @property
+    def phase(self) -> str:
+        """``"scanning"`` (the opening scan), ``"searching"`` (moves judged one by one) or ``"settled"`` (watching)."""
+        if self.settled:
+            return "settled"
+        if self._scan_queue or (self._trial is not None and self._trial[1] == "scan"):
+            return "scanning"
+        return "searching"
 
     # ------------------------------------------------------------ helpers
     def shares(self, ratios: Sequence[float] | None = None) -> list[int]:
@@ -289,8 +144,8 @@ class ShareSearch:
         three standard deviations.
         """
         if len(self._noise) < 2:
-            return 0.015  # until measured: a quiet machine
-        return statistics.median(self._noise[-10:]) / math.sqrt(2) / 0.6745
+            return self.tuning.quiet_noise  # until measured: a quiet machine
+        return statistics.median(self._noise[-self.tuning.noise_windows:]) / math.sqrt(2) / 0.6745
 
     def window_factor(self) -> int:
         """How many standard windows the next measurement should last.
@@ -304,13 +159,14 @@ class ShareSearch:
         """
         if self._trial is not None and self._trial[1] == "scan":
             return 1
-        return int(min(8, max(1, round((self.noise() / 0.025) ** 2))))
+        t = self.tuning
+        return int(min(t.max_window_factor, max(1, round((self.noise() / t.target_noise) ** 2))))
 
     def _margin(self) -> float:
-        return max(self.noise_floor, 0.5 * self.noise())
+        return max(self.noise_floor, self.tuning.margin_noise * self.noise())
 
     def _base_throughput(self) -> float:
-        return statistics.fmean(self._base_runs[-3:]) if self._base_runs else 0.0
+        return statistics.fmean(self._base_runs[-self.tuning.base_windows:]) if self._base_runs else 0.0
 
     def _moved(self, pair: tuple[int, int], amount: float) -> tuple[float, ...] | None:
         """``base`` with ``amount`` of the batch moved from device ``pair[0]`` to ``pair[1]``."""
@@ -343,7 +199,7 @@ class ShareSearch:
         else:
             speeds = self._speeds
             load = [b / s for b, s in zip(now, speeds)]
-            proposal = _normalize(speeds)
+            proposal = normalize(speeds)
             best = predicted_step_time(self.shares(proposal), speeds)
             now_time = predicted_step_time(now, speeds)
         src = max(range(len(load)), key=lambda r: (load[r], -r))
@@ -375,7 +231,7 @@ class ShareSearch:
         if self._base_runs:
             last = self._base_runs[-1]
             self._noise.append(abs(throughput - last) / max((throughput + last) / 2, 1e-12))
-        self._base_runs = [*self._base_runs[-2:], throughput]
+        self._base_runs = [*self._base_runs[-(self.tuning.base_windows - 1):], throughput]
         if self.settled:
             return self._watch(throughput)
         if len(self._base_runs) < 2 and (not self._noise or self._scanned):
@@ -385,7 +241,7 @@ class ShareSearch:
     def _shifted(self, throughput: float) -> bool:
         """True when the kept shares now run far from what they ran before (the devices changed speed)."""
         before = self._base_throughput()
-        return abs(throughput - before) > before * max(0.08, 4 * self.noise())
+        return abs(throughput - before) > before * max(self.tuning.shift, self.tuning.shift_noise * self.noise())
 
     def _rebase(self, throughput: float) -> list[Event]:
         """The kept shares run far from before: later moves are judged against the new figure.
@@ -421,7 +277,8 @@ class ShareSearch:
 
     def _propose(self) -> list[Event]:
         pair, proposal, imbalance = self._model()
-        if self._scan_queue is None and self.scan:
+        if not self._scan_opened and self.scan:
+            self._scan_opened = True
             self._scan_queue = self._scan_points(pair, proposal)
             if proposal is not None and tuple(proposal) in self._scan_queue:
                 self._jumps.add(tuple(self.shares(proposal)))  # measured by the scan: no jump there later
@@ -435,8 +292,9 @@ class ShareSearch:
                 return self._start(best, "jump", None, f"the best of the scan ({rate:.0f} samples/s)")
         # At most two jumps per search (from the speeds, then from the fitted costs), never twice to one place.
         target = tuple(self.shares(proposal)) if proposal is not None else None
-        if (target is not None and target not in self._jumps and len(self._jumps) < 2
-                and imbalance > 1.0 + max(0.1, 3 * self.noise())):
+        t = self.tuning
+        if (target is not None and target not in self._jumps and len(self._jumps) < t.max_jumps
+                and imbalance > 1.0 + max(t.jump_imbalance, t.jump_noise * self.noise())):
             self._jumps.add(target)
             if list(target) != self.shares(self.base):
                 return self._start(proposal, "jump", None, f"compute speeds {imbalance:.2f}x out of balance")
@@ -487,7 +345,7 @@ class ShareSearch:
             return [event]
         self._trial_runs.append(throughput)
         measured = statistics.fmean(self._trial_runs)
-        margin = self._margin() * (2 if self._strict else 1) / math.sqrt(len(self._trial_runs))
+        margin = self._margin() * (self.tuning.strict_factor if self._strict else 1) / math.sqrt(len(self._trial_runs))
         if measured > before * (1 + margin) and len(self._trial_runs) < 2:
             return []  # looks better: one more window to confirm before keeping it
         self._trial = None
@@ -504,7 +362,7 @@ class ShareSearch:
             if pair is not None:
                 self._momentum = pair
                 self._tried.add((pair[1], pair[0]))  # back is where we came from
-                self.step = min(self.step * 1.5, self.max_step)
+                self.step = min(self.step * self.tuning.growth, self.max_step)
             else:
                 self._momentum = None
                 self.step = self.first_step
@@ -531,12 +389,13 @@ class ShareSearch:
 
     def _watch(self, throughput: float) -> list[Event]:
         _, proposal, imbalance = self._model()
-        dropped = throughput < self._reference * (1 - max(0.05, 3 * self.noise()))
-        skewed = proposal is not None and imbalance > self._imbalance * (1.0 + max(0.15, 4 * self.noise()))
+        t = self.tuning
+        dropped = throughput < self._reference * (1 - max(t.drop, t.drop_noise * self.noise()))
+        skewed = proposal is not None and imbalance > self._imbalance * (1.0 + max(t.skew, t.skew_noise * self.noise()))
         self._alarms = self._alarms + 1 if (dropped or skewed) else 0
-        if self._alarms < 2:
+        if self._alarms < t.alarms:
             if not dropped:  # the reference is the mean of recent windows: the max of noisy ones would be too high
-                self._watched = [*self._watched[-4:], throughput]
+                self._watched = [*self._watched[-(t.watched - 1):], throughput]
                 self._reference = statistics.fmean(self._watched)
             return []
         self.settled = False

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from multigpu.backend.torch.flat import WeightedWriter
+
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucketed"]
 
 BUCKET_BYTES = 4 << 20  # smaller than DDP's 25 MiB: a sum starts sooner (sizes not swept yet)
@@ -44,11 +46,13 @@ class Bucketed:
         device: where the buffers live.
         tail: float32 values sent after the gradients (flags, extras, header) at most; grows when needed.
         bucket_bytes: a bucket's size in bytes (a variable larger than it is a bucket of its own).
+        writer: writes weighted gradients into the buckets (shared with the plain path's sums).
     """
 
     def __init__(self, variables: Sequence, grad_dtype: torch.dtype, device: torch.device, tail: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, writer: WeightedWriter | None = None) -> None:
         self.variables = list(variables)
+        self.writer = writer or WeightedWriter()
         self.tensors = [v.value for v in self.variables]
         self.index = {id(t): i for i, t in enumerate(self.tensors)}
         self.grad_dtype = grad_dtype
@@ -113,13 +117,7 @@ class Bucketed:
 
     def _write(self, i: int, grad: torch.Tensor | None) -> None:
         o = self.offsets[i]
-        part = self.flat[o : o + self.tensors[i].numel()]
-        if grad is None:
-            part.zero_()
-        elif grad.dtype == part.dtype and grad.device == part.device:
-            torch.mul(grad.reshape(-1), self.weight, out=part)
-        else:
-            part.copy_(grad.reshape(-1) * self.weight)
+        self.writer.write(self.flat[o : o + self.tensors[i].numel()], grad, self.weight)
 
     def _launch_ready(self) -> None:
         while self.launched < len(self.buckets) - 1 and self.waiting[self.launched] == 0:

@@ -1,0 +1,105 @@
+"""Each device's compute time per step as a fixed part plus a part per row, fitted to measured windows."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from multigpu.balancing.windows import Window, normalize
+
+__all__ = ["StepCosts"]
+
+
+class StepCosts:
+    """Each device's compute time per step as ``fixed + per_row * rows``, fitted to recent windows.
+
+    A device's step costs more than its rows: the framework's per-step work
+    (Python, kernel launches, a throttled device's bursts) is paid whatever
+    the share.  Where that fixed part is large (small models, small batches,
+    a slow device), shares in proportion to the speeds give the slow device
+    too much: the best shares give it fewer rows, or none.  The windows at
+    different shares that the search measures anyway fit both parts, by
+    least squares per device over the last ``keep`` shares measured (each
+    the mean of its last ``depth`` windows, so that a long stay at one share
+    does not push the others out).
+
+    Args:
+        batch_size: the global batch.
+        keep: how many recently measured shares the fit uses.
+        spread: the smallest range of a device's rows over those shares, as a
+            fraction of the batch, for the fit to be trusted.
+        depth: how many recent windows a share's point averages.
+    """
+
+    def __init__(self, batch_size: int, keep: int = 8, spread: float = 0.03, depth: int = 4) -> None:
+        self.batch_size = batch_size
+        self.keep = keep
+        self.spread = spread
+        self.depth = depth
+        # rows per step -> recent compute seconds per step, per device (oldest first)
+        self._points: dict[tuple[float, ...], list[list[float]]] = {}
+
+    def add(self, window: Window) -> None:
+        steps = window.samples / self.batch_size
+        if steps <= 0 or any(t <= 0 for t in window.compute):
+            return
+        rows = tuple(round(n / steps, 6) for n in window.local)
+        runs = self._points.pop(rows, [])
+        self._points[rows] = [*runs[-(self.depth - 1):], [t / steps for t in window.compute]]
+        while len(self._points) > self.keep:
+            del self._points[next(iter(self._points))]
+
+    def clear(self) -> None:
+        self._points = {}
+
+    def describes(self, window: Window, tolerance: float = 0.25) -> bool:
+        """True when the fit predicts every device's compute time in ``window`` within ``tolerance``: after a
+        change of throughput, the devices are the same and the machine was noisy; otherwise a device changed."""
+        costs = self.fit()
+        steps = window.samples / self.batch_size
+        if costs is None or steps <= 0:
+            return False
+        for n, t, (c, k) in zip(window.local, window.compute, costs):
+            predicted = c + k * n / steps
+            if predicted > 0 and abs(t / steps - predicted) > tolerance * predicted:
+                return False
+        return True
+
+    def fit(self) -> list[tuple[float, float]] | None:
+        """Per device ``(fixed seconds, seconds per row)``, or None until the windows span enough shares."""
+        if len(self._points) < 3:
+            return None
+        points = [(rows, [statistics.fmean(run[r] for run in runs) for r in range(len(rows))])
+                  for rows, runs in self._points.items()]
+        out = []
+        for r in range(len(points[0][0])):
+            rows = [p[0][r] for p in points]
+            times = [p[1][r] for p in points]
+            if max(rows) - min(rows) < self.spread * self.batch_size:
+                return None
+            mean_b, mean_t = statistics.fmean(rows), statistics.fmean(times)
+            var = sum((b - mean_b) ** 2 for b in rows)
+            per_row = sum((b - mean_b) * (t - mean_t) for b, t in zip(rows, times)) / var
+            fixed = mean_t - per_row * mean_b
+            if per_row <= 0 or fixed < 0:  # noise beyond what two parameters can say: proportional speeds
+                per_row, fixed = sum(times) / max(sum(rows), 1e-12), 0.0
+            out.append((fixed, per_row))
+        return out
+
+    @staticmethod
+    def step_time(shares: Sequence[int], costs: Sequence[tuple[float, float]]) -> float:
+        """Predicted step time: the slowest device (a device with no rows computes nothing)."""
+        return max((c + k * b if b else 0.0) for b, (c, k) in zip(shares, costs))
+
+    def best_ratios(self, costs: Sequence[tuple[float, float]]) -> tuple[float, ...]:
+        """Shares that end every device's step together: ``fixed_r + per_row_r * b_r = T`` for all devices
+        with rows, ``sum(b_r) = B`` (a device whose fixed part alone exceeds ``T`` gets none)."""
+        lo, hi = 0.0, max(c + k * self.batch_size for c, k in costs)
+        for _ in range(60):
+            t = (lo + hi) / 2
+            if sum(max(0.0, (t - c) / k) for c, k in costs) < self.batch_size:
+                lo = t
+            else:
+                hi = t
+        rows = [max(0.0, (hi - c) / k) for c, k in costs]
+        return normalize(rows)

@@ -1,0 +1,58 @@
+"""The share search's thresholds, in one frozen object (:class:`multigpu.balancing.search.ShareSearch` reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Tuning"]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The search's thresholds, in one place (relative figures are fractions of a throughput).
+
+    Attributes:
+        quiet_noise: the noise assumed until two differences of windows are measured.
+        noise_windows: how many recent differences of windows the noise is the median of.
+        target_noise: a measurement is averaged over windows until its noise is about this.
+        max_window_factor: the longest measurement, in standard windows.
+        margin_noise: a move pays when it beats the kept shares by this many noise units
+            (and by ``noise_floor``).
+        base_windows: how many recent windows at the kept shares make their figure.
+        shift: the kept shares ran far from before when their figure moved by this
+            much, or by ``shift_noise`` noise units if more.
+        shift_noise: see ``shift``.
+        jump_imbalance: jump to the shares the speeds call for when they are this far
+            out of balance (``1 + max(jump_imbalance, jump_noise * noise)``).
+        jump_noise: see ``jump_imbalance``.
+        max_jumps: jumps per search.
+        strict_factor: the best of the scan must beat the kept shares by this many margins.
+        growth: after a kept move, the next one is this many times larger (up to ``max_step``).
+        drop: once settled, a throughput drop of this much (or ``drop_noise`` noise units) is an alarm.
+        drop_noise: see ``drop``.
+        skew: once settled, compute speeds this much further out of balance than when the
+            search settled (or ``skew_noise`` noise units) are an alarm.
+        skew_noise: see ``skew``.
+        alarms: alarms in a row that start the search again.
+        watched: how many recent windows at the settled shares make the reference.
+    """
+
+    quiet_noise: float = 0.015
+    noise_windows: int = 10
+    target_noise: float = 0.025
+    max_window_factor: int = 8
+    margin_noise: float = 0.5
+    base_windows: int = 3
+    shift: float = 0.08
+    shift_noise: float = 4.0
+    jump_imbalance: float = 0.1
+    jump_noise: float = 3.0
+    max_jumps: int = 2
+    strict_factor: float = 2.0
+    growth: float = 1.5
+    drop: float = 0.05
+    drop_noise: float = 3.0
+    skew: float = 0.15
+    skew_noise: float = 4.0
+    alarms: int = 2
+    watched: int = 5
