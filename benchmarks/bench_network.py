@@ -14,6 +14,8 @@ delay).  The ranks join with torchrun's variables over gloo, rank ``r`` on core
 * ``exact``: multigpu, exact sums, equal shares (gradient sums started during the
   backward pass: the default over gloo);
 * ``exact-after``: the same with ``MULTIGPU_OVERLAP=0`` (sums after the backward pass);
+* ``exact-bN`` (asked for by name, e.g. ``exact-b25``): ``exact`` with buckets of N MiB
+  (``MULTIGPU_BUCKET_MB``; the default is 4);
 * ``bf16``, ``fp16``: multigpu with ``compression=``;
 * ``ddp``: a hand-written PyTorch DDP loop (buckets all-reduced during backward), equal shares;
 * ``ddp-bf16``: the same with DDP's ``bf16_compress_hook``;
@@ -57,6 +59,8 @@ def _config(name: str, model: str, width: float, batch: int, steps: int, warmup:
     extra: dict = {}
     if name == "exact-after":
         extra["MULTIGPU_OVERLAP"] = "0"
+    elif name.startswith("exact-b"):  # exact-b25: buckets of 25 MiB
+        extra["MULTIGPU_BUCKET_MB"] = name.removeprefix("exact-b")
     elif name in ("bf16", "fp16"):
         cfg["compression"] = name
     elif name.startswith("ddp"):

@@ -31,6 +31,8 @@ win over the arguments the script passes to ``parallelize``.
   the same numbers either way, so it is for measuring what the replay buys).
 * ``MULTIGPU_OVERLAP``: ``1`` sums gradients in buckets during the backward pass, ``0`` after it, on
   torch (default: during it over the process group's transport, after it over shared memory).
+* ``MULTIGPU_BUCKET_MB``: the size of a bucket of overlapped gradient sums, in MiB (default 4; the
+  first bucket is 1 MiB).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
 * ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -59,6 +61,7 @@ TRANSPORT = "MULTIGPU_TRANSPORT"
 PROFILE = "MULTIGPU_PROFILE"
 REPLAY = "MULTIGPU_REPLAY"
 OVERLAP = "MULTIGPU_OVERLAP"
+BUCKET_MB = "MULTIGPU_BUCKET_MB"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

@@ -128,3 +128,11 @@ def test_a_variable_without_gradient_stays_none(group):
         assert out[0] is None and all(o is not None for o in out[1:]) and sync.overlapping
     finally:
         first.value.requires_grad_(True)
+
+
+def test_a_bad_bucket_size_is_refused_when_the_sums_are_set_up(monkeypatch):
+    monkeypatch.setenv("MULTIGPU_BUCKET_MB", "lots")
+    with pytest.raises(ValueError, match=r"MULTIGPU_BUCKET_MB is a bucket size in MiB.*Received: 'lots'"):
+        GradientSync(GroupComm(), waiting=nullcontext, overlap=True)
+    monkeypatch.setenv("MULTIGPU_BUCKET_MB", "0.5")
+    assert GradientSync(GroupComm(), waiting=nullcontext, overlap=True).bucket_bytes == 1 << 19

@@ -37,7 +37,7 @@ import torch
 from multigpu import failure
 from multigpu._warn import warn_user
 from multigpu.backend.torch.flat import Layout, WeightedWriter
-from multigpu.backend.torch.overlap import Bucketed
+from multigpu.backend.torch.overlap import Bucketed, configured_bucket_bytes
 
 __all__ = ["COMPRESSION", "GradientSync"]
 
@@ -55,9 +55,11 @@ class GradientSync:
         waiting: a context manager factory; time inside it counts as waiting.
         compression: ``None``, ``"bf16"`` or ``"fp16"``.
         overlap: sum gradients in buckets during the backward pass (see the module docstring).
+        bucket_bytes: the buckets' size (default: :func:`~multigpu.backend.torch.overlap.configured_bucket_bytes`).
     """
 
-    def __init__(self, comm, waiting: Callable, compression: str | None = None, overlap: bool = False) -> None:
+    def __init__(self, comm, waiting: Callable, compression: str | None = None, overlap: bool = False,
+                 bucket_bytes: int | None = None) -> None:
         if compression not in COMPRESSION:
             raise ValueError(f"`compression` must be one of {sorted(map(str, COMPRESSION))}. "
                              f"Received: compression={compression!r}")
@@ -74,6 +76,7 @@ class GradientSync:
         self.writer = WeightedWriter()
         self._unpacked: torch.Tensor | None = None  # float32, the summed 16-bit gradients read back
         self.overlap = overlap
+        self.bucket_bytes = bucket_bytes or configured_bucket_bytes()
         self._plans: dict[tuple, Bucketed] = {}
         self._expected: list[list] = []  # each optimizer call's variables in the previous step
         self._called: list[list] = []  # each optimizer call's variables in this step
@@ -148,7 +151,7 @@ class GradientSync:
         if plan is None:
             half = COMPRESSION[self.compression] or torch.float32
             plan = self._plans[key] = Bucketed(variables, half, self.comm.device, tail=len(variables) + 64,
-                                               writer=self.writer)
+                                               bucket_bytes=self.bucket_bytes, writer=self.writer)
             plan.tag = self._layout(variables).tag
             hook = _weak_hook(self)
             for t in plan.tensors:
