@@ -17,6 +17,11 @@ momentum must not see a zero there), whatever the step attached (metric
 states and step timings, so that the built-in step needs no other
 collective), and a short header that catches ranks whose calls differ.
 
+A step's figures have one owner: :meth:`GradientSync.begin_step` makes a
+:class:`StepSums` holding the step's weight ``b_r / B`` (fixed for the step
+and passed on as an argument to everything that weights a gradient), the
+extras it attaches to its next optimizer call and their sum, and its calls.
+
 Compression (``"bf16"``, ``"fp16"``) sends the weighted gradients in 16 bits
 and the rest in float32: the weighting is applied before the cast, so it stays
 right whatever the rounding does.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,12 +45,34 @@ from multigpu._warn import warn_user
 from multigpu.backend.torch.flat import Layout, WeightedWriter
 from multigpu.backend.torch.overlap import Bucketed, configured_bucket_bytes
 
-__all__ = ["COMPRESSION", "GradientSync"]
+__all__ = ["COMPRESSION", "GradientSync", "StepSums"]
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HEADER = 3
 _STALE = 4  # tail[-4]: ranks whose gradients changed after their bucket was sent (overlap)
 _TAG_MOD = 251  # tag and tag**2 (< 2**16) summed over up to 256 ranks stay exact in float32
+
+
+@dataclass
+class StepSums:
+    """One training step's gradient sums: the weight of this rank's gradients (``b_r / B``, fixed for the
+    step), the extras to send with the next optimizer call, and what the step's calls did and summed.
+
+    Attributes:
+        weight: ``b_r / B``.
+        calls: optimizer calls so far.
+        extras: float32 values to send with the next call (metric states, timings), summed as they are.
+        extras_out: the sum of the last extras sent.
+        log: the calls as ``(apply, variables)``, for a rank with no rows in a later step to replay.
+        called: each call's variables, the plan of the next step's overlapped sums.
+    """
+
+    weight: float
+    calls: int = 0
+    extras: torch.Tensor | None = None
+    extras_out: list[float] | None = None
+    log: list[tuple] = field(default_factory=list)
+    called: list[list] = field(default_factory=list)
 
 
 class GradientSync:
@@ -66,12 +94,8 @@ class GradientSync:
         self.comm = comm
         self.waiting = waiting
         self.compression = compression
-        self.weight = 1.0
-        self.active = False  # inside a training step
-        self.calls = 0  # optimizer calls in the current step
-        self._extras: torch.Tensor | None = None  # attached to the next call
-        self.extras_out: list[float] | None = None
-        self.log: list[tuple] = []  # this step's optimizer calls: (apply, variables), for an empty rank to replay
+        self.step: StepSums | None = None  # the training step running now
+        self._last = StepSums(1.0)  # the step that ran last (its calls and extras stay readable after it)
         self._layouts: dict[tuple, Layout] = {}
         self.writer = WeightedWriter()
         self._unpacked: torch.Tensor | None = None  # float32, the summed 16-bit gradients read back
@@ -79,7 +103,6 @@ class GradientSync:
         self.bucket_bytes = bucket_bytes or configured_bucket_bytes()
         self._plans: dict[tuple, Bucketed] = {}
         self._expected: list[list] = []  # each optimizer call's variables in the previous step
-        self._called: list[list] = []  # each optimizer call's variables in this step
         self._armed: tuple[int, Bucketed] | None = None  # (call, plan) the hooks write into
         self._hooked: dict[int, object] = {}  # id(tensor) -> its hook's handle
         self.overlapping = False  # the last step's calls were summed during the backward pass
@@ -93,7 +116,7 @@ class GradientSync:
         sync = self
 
         def apply(grads, trainable_variables=None):
-            if not sync.active:
+            if sync.step is None:
                 return original(grads, trainable_variables)
             variables = trainable_variables
             if variables is None:
@@ -101,23 +124,25 @@ class GradientSync:
 
                 variables = _compat.optimizer_variables(optimizer)
             variables = list(variables)
-            sync.log.append((original, variables))
+            sync.step.log.append((original, variables))
             grads = sync.reduce(list(grads), variables)
             return original(grads, trainable_variables)
 
         object.__setattr__(optimizer, "apply", apply)
         object.__setattr__(optimizer, "_multigpu_sync", self)
 
-    def begin_step(self, weight: float) -> None:
-        """Called by the step before the user's or built-in code runs."""
-        self.weight = float(weight)
-        self.active = True
-        self.calls = 0
-        self.extras_out = None
-        self.log = []
+    def begin_step(self, weight: float) -> StepSums:
+        """Starts a training step whose gradients are weighted by ``weight`` (``b_r / B``): returns its sums."""
+        self.step = self._last = StepSums(float(weight))
         self.overlapping = False
-        self._called = []
         self._arm(0)
+        return self.step
+
+    # The running (or last) step's figures, for the steps and the tests.
+    weight = property(lambda self: self._last.weight)
+    calls = property(lambda self: self._last.calls)
+    log = property(lambda self: self._last.log)
+    extras_out = property(lambda self: self._last.extras_out)
 
     def replay(self, calls: list[tuple]) -> None:
         """Takes part in the optimizer calls of another rank's step with no gradients of its own.
@@ -127,23 +152,22 @@ class GradientSync:
         applies the result, so its weights stay equal to the others'.
         """
         for original, variables in calls:
-            self.log.append((original, variables))
+            self.step.log.append((original, variables))
             grads = self.reduce([None] * len(variables), variables)
             with torch.no_grad():
                 original(grads, variables)
 
     def end_step(self) -> None:
-        self.active = False
-        self._extras = None
+        step, self.step = self.step, None
         self._disarm()
-        if self.overlap:
-            self._expected, self._called = self._called, []
+        if self.overlap and step is not None:
+            self._expected = step.called
 
     # ------------------------------------------------------------ overlap
     def _arm(self, call: int) -> None:
         """Arms the plan of optimizer call ``call`` of this step (the same call's variables last step)."""
         self._disarm()
-        if not self.overlap or call >= len(self._expected) or not self._expected[call]:
+        if not self.overlap or self.step is None or call >= len(self._expected) or not self._expected[call]:
             return
         variables = self._expected[call]
         key = tuple(id(v) for v in variables)
@@ -157,7 +181,7 @@ class GradientSync:
             for t in plan.tensors:
                 if id(t) not in self._hooked and t.requires_grad:
                     self._hooked[id(t)] = t.register_post_accumulate_grad_hook(hook)
-        plan.arm(self.weight)
+        plan.arm(self.step.weight)
         self._armed = (call, plan)
 
     def _disarm(self) -> None:
@@ -170,8 +194,8 @@ class GradientSync:
             self._armed[1].on_grad(tensor)
 
     def attach(self, extras: torch.Tensor) -> None:
-        """Sends ``extras`` (float32, summed as they are) with the next optimizer call."""
-        self._extras = extras
+        """Sends ``extras`` (float32, summed as they are) with the step's next optimizer call."""
+        self.step.extras = extras
 
     # ------------------------------------------------------------ the sum
     def _layout(self, variables: Sequence) -> Layout:
@@ -183,21 +207,22 @@ class GradientSync:
 
     def reduce(self, grads: list, variables: list) -> list:
         """The share-weighted sum over ranks of ``grads`` (``None`` where no rank has a gradient)."""
-        call = self.calls
-        self.calls += 1
+        step = self.step if self.step is not None else StepSums(1.0)
+        call = step.calls
+        step.calls += 1
         if self.overlap:
-            self._called.append(list(variables))
-        extras = self._extras
-        self._extras = None
+            step.called.append(list(variables))
+        extras, step.extras = step.extras, None
         armed = self._armed
         if armed is not None and armed[0] == call:
-            out = self._reduce_bucketed(armed[1], grads, variables, extras, call)
+            out = self._reduce_bucketed(step, armed[1], grads, variables, extras, call)
         else:
-            out = self._reduce_whole(grads, variables, extras, call)
+            out = self._reduce_whole(step, grads, variables, extras, call)
         self._arm(call + 1)
         return out
 
-    def _reduce_bucketed(self, plan: Bucketed, grads: list, variables: list, extras, call: int) -> list:
+    def _reduce_bucketed(self, step: StepSums, plan: Bucketed, grads: list, variables: list, extras,
+                         call: int) -> list:
         """Finishes the sums the backward pass started; sums again the plain way if a rank's gradients changed."""
         self._armed = None
         n_extra = 0 if extras is None else extras.numel()
@@ -218,7 +243,7 @@ class GradientSync:
         self._check_header(tail[-3:], tag, describe)
         v = len(plan.variables)
         if extras is not None:
-            self.extras_out = tail[v : v + n_extra]
+            step.extras_out = tail[v : v + n_extra]
         if tail[-_STALE] > 0:
             if self.overlap:
                 warn_user("A training step changed its gradients between the backward pass and optimizer.apply "
@@ -226,12 +251,12 @@ class GradientSync:
                           "the backward pass; results stay exact.")
             self.overlap = False
             self._expected = []
-            return self._reduce_whole(grads, variables, None, call)
+            return self._reduce_whole(step, grads, variables, None, call)
         self.overlapping = True
         return self._unpack(summed, tail[:v], plan.offsets, [t.shape for t in plan.tensors],
                             [t.dtype for t in plan.tensors], summed.device)
 
-    def _reduce_whole(self, grads: list, variables: list, extras, call: int) -> list:
+    def _reduce_whole(self, step: StepSums, grads: list, variables: list, extras, call: int) -> list:
         """One collective for the call's weighted gradients and its tail, after the backward pass."""
         layout = self._layout(variables)
         n_extra = 0 if extras is None else extras.numel()
@@ -249,7 +274,7 @@ class GradientSync:
         describe = lambda: layout.describe(n_extra, call)  # noqa: E731
         if half is None:
             flat = self.comm.buffer(n_grad + tail_values.numel(), torch.float32)
-            self._fill(flat[:n_grad], grads, layout)
+            self._fill(flat[:n_grad], grads, layout, step.weight)
             flat[n_grad:].copy_(tail_values)
             with self.waiting():
                 summed = self.comm.reduce(flat, tag=tag, what="summing gradients", describe=describe)
@@ -265,11 +290,11 @@ class GradientSync:
                 tail = self.comm.reduce(flat, tag=tag + 1, what="summing gradients", describe=describe).tolist()
             self._check_header(tail[-3:], tag, describe)
             grads_part = self.comm.buffer(n_grad, half)
-            self._fill(grads_part, grads, layout)
+            self._fill(grads_part, grads, layout, step.weight)
             with self.waiting():
                 summed_grads = self.comm.reduce(grads_part, tag=tag, what="summing gradients", describe=describe)
         if extras is not None:
-            self.extras_out = tail[v : v + n_extra]
+            step.extras_out = tail[v : v + n_extra]
         return self._unpack(summed_grads, tail[:v], layout.offsets, layout.shapes, layout.dtypes, flat.device)
 
     def _unpack(self, summed_grads: torch.Tensor, flags: list[float], offsets: list[int], shapes: list,
@@ -297,10 +322,10 @@ class GradientSync:
                 out.append(g.view(shape).to(dtype))
         return out
 
-    def _fill(self, target: torch.Tensor, grads: list, layout: Layout) -> None:
-        """Writes every gradient times this rank's weight into ``target`` (zeros for a missing one)."""
+    def _fill(self, target: torch.Tensor, grads: list, layout: Layout, weight: float) -> None:
+        """Writes every gradient times ``weight`` into ``target`` (zeros for a missing one)."""
         for g, o, shape in zip(grads, layout.offsets, layout.shapes):
-            self.writer.write(target[o : o + shape.numel()], g, self.weight)
+            self.writer.write(target[o : o + shape.numel()], g, weight)
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
         world = float(self.comm.world_size)
