@@ -12,7 +12,7 @@ delay).  The ranks join with torchrun's variables over gloo, rank ``r`` on core
 (the median counts: with two rounds, their mean).  Configurations:
 
 * ``exact``: multigpu, exact sums, equal shares (gradient sums started during the
-  backward pass: the default over gloo);
+  backward pass: the default between hosts);
 * ``exact-after``: the same with ``MULTIGPU_OVERLAP=0`` (sums after the backward pass);
 * ``exact-bN`` (asked for by name, e.g. ``exact-b25``): ``exact`` with buckets of N MiB
   (``MULTIGPU_BUCKET_MB``; the default is 4);
@@ -78,7 +78,7 @@ def run_one(link: Link, cfg: dict, extra: dict, timeout: float, backend: str = "
         if cfg["ratios"] == "auto":
             cfg["profile"] = str(Path(tmp) / "profile.json")
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        port = 29500 + os.getpid() % 1000
+        port = 29500 + os.getpid() % 1000  # inside the link's fresh namespaces: no other listener there
         base = dict(os.environ, KERAS_BACKEND=backend, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                     PYTHONPATH=str(ROOT), MULTIGPU_PROFILE=str(Path(tmp) / "profiles.json"), **extra)
         argv = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
@@ -136,6 +136,14 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "network.json"))
     a = p.parse_args()
     configs = a.configs.split(",")
+    buckets = [c.removeprefix("exact-b").replace(".", "", 1) for c in configs if c.startswith("exact-b")]
+    unknown = [c for c in configs if c not in CONFIGS and not c.startswith("exact-b")]
+    unknown += [f"exact-b{b}" for b in buckets if not b.isdigit()]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; allowed: {', '.join(CONFIGS)}, or exact-bN (N MiB buckets)")
+    models = [m for m in a.models.split(",") if m not in MODELS]
+    if models:
+        p.error(f"unknown model(s) {models}; allowed: {', '.join(MODELS)}")
     if a.backend == "jax":
         configs = [c for c in configs if c in ("exact", "bf16", "fp16", "auto-slow")]
     why = unavailable()

@@ -30,7 +30,7 @@ win over the arguments the script passes to ``parallelize``.
   torch instead of replaying its recorded operations (``multigpu.backend.torch.replay``;
   the same numbers either way, so it is for measuring what the replay buys).
 * ``MULTIGPU_OVERLAP``: ``1`` sums gradients in buckets during the backward pass, ``0`` after it, on
-  torch (default: during it over the process group's transport, after it over shared memory).
+  torch (default: during it between machines and on GPUs, after it for CPU ranks of one machine).
 * ``MULTIGPU_BUCKET_MB``: the size of a bucket of overlapped gradient sums, in MiB (default 4; the
   first bucket is 1 MiB).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so

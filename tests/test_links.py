@@ -34,6 +34,7 @@ def test_two_hosts_over_a_shaped_link_match_one_device(runner):
     args = [sys.executable, str(SCRIPTS / "exactness.py"), str(out), "--devices", "cpu:0,cpu:1", "--ratios", "3,1",
             *rows]
     with Link("1gbit", tag=runner.token[:5]) as link:
+        # A fixed port is free: it is in the link's own network namespaces, made for this test.
         procs = [runner.start(link.command(r, args), extra_env=link.rank_env(r, 29511)) for r in range(2)]
         done = [runner.finish(p, timeout=120) for p in procs]
         # both hosts exist while the ranks run

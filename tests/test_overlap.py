@@ -136,3 +136,29 @@ def test_a_bad_bucket_size_is_refused_when_the_sums_are_set_up(monkeypatch):
         GradientSync(GroupComm(), waiting=nullcontext, overlap=True)
     monkeypatch.setenv("MULTIGPU_BUCKET_MB", "0.5")
     assert GradientSync(GroupComm(), waiting=nullcontext, overlap=True).bucket_bytes == 1 << 19
+
+
+class _Device:
+    def __init__(self, is_cuda):
+        self.is_cuda = is_cuda
+
+
+def test_overlap_is_chosen_per_transport_and_machine_and_a_bad_setting_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from multigpu.backend.torch.step import _overlap
+
+    def comm(transport, same_host, cuda=False):
+        runtime = SimpleNamespace(same_host=same_host, devices=[_Device(cuda), _Device(cuda)])
+        return SimpleNamespace(world_size=2, transport=transport, runtime=runtime)
+
+    monkeypatch.delenv("MULTIGPU_OVERLAP", raising=False)
+    assert not _overlap(comm("shm", True))
+    assert not _overlap(comm("gloo", True))  # CPU ranks of one machine: gloo's threads take the cores
+    assert _overlap(comm("gloo", False))  # between machines
+    assert _overlap(comm("gloo", True, cuda=True))  # GPUs: NCCL beside the computing
+    monkeypatch.setenv("MULTIGPU_OVERLAP", "1")
+    assert _overlap(comm("gloo", True))
+    monkeypatch.setenv("MULTIGPU_OVERLAP", "yes")
+    with pytest.raises(ValueError, match=r"MULTIGPU_OVERLAP must be 0 .* or 1 .*Received: MULTIGPU_OVERLAP='yes'"):
+        _overlap(comm("gloo", False))

@@ -44,12 +44,10 @@ class Advice:
         if e.kind == "keep":
             self._log(f"shares {describe_shares(e.before)} -> {describe_shares(e.after)}: "
                       f"{e.throughput_after:.0f} samples/s against {e.throughput_before:.0f} ({e.reason}), kept")
-        elif e.kind == "undo":
+        elif e.kind in ("undo", "scanned"):
+            end = "): undone" if e.kind == "undo" else ", scanning)"
             self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
-                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}): undone")
-        elif e.kind == "scanned":
-            self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
-                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}, scanning)")
+                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}{end}")
         elif e.kind == "settle":
             self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s): "
                       f"{e.reason}")

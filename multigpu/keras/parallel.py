@@ -59,7 +59,7 @@ class State:
         caps: the per-device largest local batch, if given.
         quantum: local batch sizes are multiples of this many rows (JAX's automatic shares: 1/16 of the batch).
         overlap: whether the last training step summed its gradients in buckets while its backward pass ran
-            (torch over the process group's transport; see ``MULTIGPU_OVERLAP``).
+            (torch, between machines or on GPUs; see ``MULTIGPU_OVERLAP``).
     """
 
     rank: int

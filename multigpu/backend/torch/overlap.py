@@ -1,4 +1,4 @@
-"""Gradient sums started while the backward pass still runs (process-group transports).
+"""Gradient sums started while the backward pass still runs (between machines and on GPUs).
 
 A bucket is a run of consecutive variables of one optimizer call, taken in
 reverse order (the last layers' gradients are ready first), up to

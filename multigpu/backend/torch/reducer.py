@@ -26,7 +26,7 @@ Compression (``"bf16"``, ``"fp16"``) sends the weighted gradients in 16 bits
 and the rest in float32: the weighting is applied before the cast, so it stays
 right whatever the rounding does.
 
-With ``overlap`` (process-group transports), from the second step on each
+With ``overlap`` (between machines and on GPUs), from the second step on each
 call's gradients are summed in buckets while the backward pass runs
 (:mod:`multigpu.backend.torch.overlap`); the call's plan (its variables) is
 the one the same call had in the previous step.
@@ -139,7 +139,6 @@ class GradientSync:
         return self.step
 
     # The running (or last) step's figures, for the steps and the tests.
-    weight = property(lambda self: self._last.weight)
     calls = property(lambda self: self._last.calls)
     log = property(lambda self: self._last.log)
     extras_out = property(lambda self: self._last.extras_out)

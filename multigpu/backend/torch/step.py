@@ -283,16 +283,27 @@ def _move_to(variables, device: torch.device) -> None:
 
 
 def _overlap(comm) -> bool:
-    """Whether gradient sums start during the backward pass: over the process group's transport, not shared memory.
+    """Whether gradient sums start during the backward pass (``MULTIGPU_OVERLAP``: ``0``/``1`` decides instead).
 
-    Over shared memory a sum of a whole model takes about a millisecond and
-    the rank computes it itself, so there is nothing to hide it behind
-    (benchmarks/RESULTS.md).  ``MULTIGPU_OVERLAP`` (``0``/``1``) decides instead.
+    Between machines, and for GPUs, whose collectives run beside their
+    computing.  Not for CPU ranks of one machine: there gloo's threads take
+    the cycles of the cores that compute the backward pass, so overlap costs
+    more than it hides (dense41m at batch 256 over gloo on two cores: 390
+    samples/s with it, 475 without, 555 over shared memory;
+    benchmarks/RESULTS.md, "Slow links between hosts").
+
+    Raises:
+        ValueError: ``MULTIGPU_OVERLAP`` is set to anything but ``0`` or ``1``.
     """
     forced = os.environ.get(env.OVERLAP)
-    if forced in ("0", "1"):
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{env.OVERLAP} must be 0 (sums after the backward pass) or 1 (during it). "
+                             f"Received: {env.OVERLAP}={forced!r}")
         return forced == "1" and comm.world_size > 1
-    return comm.world_size > 1 and comm.transport != "shm"
+    runtime = comm.runtime
+    one_machine_cpus = runtime.same_host and not any(d.is_cuda for d in runtime.devices)
+    return comm.world_size > 1 and comm.transport != "shm" and not one_machine_cpus
 
 
 def _no_ddp() -> None:
