@@ -1,6 +1,6 @@
 """Two simulated hosts joined by a shaped link: multigpu against PyTorch DDP where the link is slow.
 
-    sudo KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_network.py          # ~25 min
+    sudo KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_network.py   # 42 runs, ~35 s each
     ... benchmarks/bench_network.py --rates 1gbit --models dense21m --configs exact,ddp --rounds 1     # one case
     ... benchmarks/bench_network.py --backend jax --rates 1gbit --models dense21m --configs exact          # JAX
 
