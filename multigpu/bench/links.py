@@ -122,7 +122,8 @@ class Link:
                     self.rate, "burst", str(burst), "latency", "200ms")
 
     def close(self, quiet: bool = False) -> None:
-        """Removes both namespaces (the veth pair goes with them)."""
+        """Removes both namespaces (the veth pair goes with them, or with its own removal if it never moved)."""
+        subprocess.run(["ip", "link", "del", self.interfaces[0]], capture_output=True, check=False)
         for host in self.hosts:
             subprocess.run(["ip", "netns", "del", host], capture_output=True, check=False)
             shutil.rmtree(f"/etc/netns/{host}", ignore_errors=True)
