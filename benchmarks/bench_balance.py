@@ -26,7 +26,9 @@ noisy points is biased upward (the luckiest window wins), and because a rate in 
 that moves its shares every few seconds is not the rate of a run at fixed shares from the start:
 comparing auto's own run with the grid's highest window measured both effects, not the search.
 
-It reports auto / best and auto / equal head to head for each case, and, for reference, auto over
+Every head-to-head run prints its timed steps' seconds beside its mean, with the largest step over
+the median, so that a stall is seen rather than averaged away.  It reports auto / best and auto /
+equal head to head for each case, and, for reference, auto over
 the grid's highest point. The cases are the built-in convnet, mlp and gru, each at two global
 batches, and ``benchmarks/outside_model.py``, a model nothing in multigpu was tuned on. Then the
 **slowdown** run: ``cpu:0`` and ``cpu:1`` at full speed with automatic shares, ``cpu:1`` dropped
@@ -81,6 +83,14 @@ def sweep(model: str, width: float, batch: int, window: int, warmup: int, passes
     return rates
 
 
+def step_series(times: list[float]) -> str:
+    """The timed steps' seconds, with the largest over the median: a stall shows instead of being averaged away."""
+    if not times:
+        return "no step times"
+    return (f"largest step {max(times) / statistics.median(times):.2f}x the median; steps (s): "
+            + " ".join(f"{t:.2f}" for t in times))
+
+
 def run_case(case: str, seconds: float, rounds: int, log) -> dict:
     model, width, batch = parse_case(case)
     name = "outside" if model == OUTSIDE else model
@@ -103,7 +113,8 @@ def run_case(case: str, seconds: float, rounds: int, log) -> dict:
             result = run(model, width, batch, configs[config], steps, search_steps)
             runs[config].append(result)
             shares = f", shares at the end {result.get('shares')}" if config == "auto" else ""
-            log(f"{name} {batch}: round {i + 1}: {config} {result['samples_per_second']:.1f}/s{shares}")
+            log(f"{name} {batch}: round {i + 1}: {config} {result['samples_per_second']:.1f}/s{shares}; "
+                + step_series(result.get("step_times") or []))
 
     def median(config: str) -> float:
         return statistics.median(float(r["samples_per_second"]) for r in runs[config])
@@ -118,6 +129,7 @@ def run_case(case: str, seconds: float, rounds: int, log) -> dict:
             "runs": {k: [float(r["samples_per_second"]) for r in v] for k, v in runs.items()},
             "timed_steps": steps, "window_steps": window, "untimed_steps": search_steps,
             "auto_shares": [r.get("shares") for r in runs["auto"]],
+            "step_times": {k: [r.get("step_times") for r in v] for k, v in runs.items()},
             "auto_log": [r.get("log", []) for r in runs["auto"]]}
 
 

@@ -100,6 +100,20 @@ def test_ragged_steps_and_steps_at_old_shares_do_not_count():
     assert b.search.shares() == [64, 64] and b._window.steps == 0
 
 
+def test_the_first_step_at_new_local_batch_sizes_is_not_timed_and_later_ones_are():
+    """A new size's first step pays its first use (kernels' plans, buffers, a recording): not a measure of the
+    shares; a size seen before is timed from its first step."""
+    b, _ = make("1,1")
+    b.begin_fit(128, lambda: "sig")
+    b.record(StepRecord((9.0, 9.0), (9.0, 9.0), (9.0, 9.0), (64, 64)))  # the first step at 64/64: slow, skipped
+    assert b._window.steps == 0
+    b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (64, 64)))
+    assert b._window.steps == 1 and b._window.seconds == 1.0
+    b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (60, 68)))  # elsewhere: the window starts again
+    b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (64, 64)))  # back at a warm size: timed at once
+    assert b._window.steps == 1
+
+
 def test_it_says_once_when_the_devices_together_are_slower_than_the_fastest_alone():
     b, lines = make()
     b.begin_fit(64, lambda: "sig")

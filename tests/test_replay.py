@@ -200,6 +200,25 @@ def test_while_the_share_search_moves_a_new_signature_is_recorded_at_its_first_s
     assert not r(*_data(11), None, prompt=True)[2] and r.recorded == 2
 
 
+def test_what_a_replay_saves_is_measured_and_decides_later_recordings():
+    """The first signature's replays are timed against its passes through Keras; a later signature is recorded
+    once its steps through Keras's pass would have saved a recording's cost, and never when a replay saves
+    nothing (a model whose time is its arithmetic), even while the search moves."""
+    r = ForwardReplay(_mlp(), record_at=1 + replay._WARM_PASSES)
+    for _ in range(1 + replay._WARM_PASSES + replay._TIMED_REPLAYS):
+        r(*_data(8), None)
+    assert r.recorded == 1 and r.gain is not None and r.gain > 0  # an MLP: most of its pass is Keras's Python
+    r.gain, r._record_cost = 0.0, 0.01  # a replay saves nothing
+    for _ in range(50):
+        assert not r(*_data(9), None, prompt=True)[2]
+    assert r.recorded == 1
+    r.gain, r._record_cost = 0.001, 0.0035  # 1 ms per step against a 3.5 ms recording: recorded at the 4th step
+    assert [r(*_data(10), None)[2] for _ in range(4)] == [False, False, False, True]
+    assert r.recorded == 2
+    r.gain, r._record_cost = 1.0, 0.5  # a replay that saves, while the search moves: at once
+    assert r(*_data(11), None, prompt=True)[2] and r.recorded == 3
+
+
 def test_a_keras_hub_backbone_with_dropout_is_replayed_bit_for_bit():
     """keras-hub's modeling layers (transformer blocks, attention, embeddings) are trusted like Keras's own."""
     pytest.importorskip("keras_hub", reason="needs keras-hub (make test installs it)")

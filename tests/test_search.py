@@ -290,3 +290,20 @@ def test_the_scan_keeps_the_start_when_nothing_beats_it():
         scanned = [e for e in events if e.kind == "scanned"]
         assert len(scanned) >= 4 and sum(e.throughput_after < e.throughput_before for e in scanned) >= 4
         assert not any(e.kind == "jump" and "scan" in e.reason for e in events)
+
+
+def test_a_settled_search_stays_settled_until_throughput_falls_several_windows_in_a_row():
+    """Once settled, no probe: reported compute speeds that drift out of balance (with the throughput as it was)
+    move nothing; a fall beyond the noise in fewer than ``alarms`` windows in a row moves nothing; a fall that
+    lasts starts the search again, and the log says by how much."""
+    search = ShareSearch([2 / 3, 1 / 3], 128)
+    drive(search, (200, 100), (1.0, 1.0), 60)
+    assert search.settled
+    kept = tuple(search.ratios)
+    assert drive(search, (200, 100), (1.0, 2.0), 20) == [] and tuple(search.ratios) == kept  # speeds skewed, same rate
+    alarms = search.tuning.alarms
+    assert drive(search, (100, 50), (1.0, 1.0), alarms - 1) == []  # a fall shorter than `alarms` windows
+    assert drive(search, (200, 100), (1.0, 1.0), 10) == [] and search.settled
+    events = drive(search, (100, 50), (1.0, 1.0), alarms)
+    assert events[0].kind == "restart" and not search.settled
+    assert f"fell {alarms} windows in a row" in events[0].reason and "noise" in events[0].reason

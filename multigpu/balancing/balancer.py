@@ -108,6 +108,7 @@ class LoadBalancer:
         self.last_report: dict | None = None
         self.planner = StepPlanner(self.shares, rank)
         self._window = _Window()
+        self._warm: set[tuple[int, ...]] = set()  # local batch sizes every rank has run a step at
         self._epoch = self._empty_epoch()
         self._changed = False
         self.advice = Advice(self.devices, log, options.compression)
@@ -224,6 +225,11 @@ class LoadBalancer:
             return
         if list(rec.samples) != self.search.shares():
             self._window = _Window()  # a ragged step, or one run at other shares
+            return
+        if tuple(rec.samples) not in self._warm:
+            # The first step at new local batch sizes pays their first use (kernels' plans, buffers, a recorded
+            # or compiled pass): once per size, not a measure of the shares. Probing such a size again is free.
+            self._warm.add(tuple(rec.samples))
             return
         w = self._window
         if not w.compute:

@@ -26,11 +26,13 @@ in bursts, and communication competes with compute.  So the speeds only
   they run far from before (a device changed speed mid-search, and every
   move would be judged against a stale figure) moves are judged against the
   new figure, and a jump to the shares the speeds call for may be tried again;
-* once settled, the search watches: a drop of the throughput at the kept
-  shares below the mean of its recent windows (well beyond the measured
-  noise), or a large imbalance of the compute speeds, starts it again, first
-  with a jump to the shares the speeds call for (a device that slowed down
-  mid-run), judged like any move.
+* once settled, the search stays settled and probes nothing: only a drop of
+  the throughput at the kept shares below the mean of its recent windows,
+  well beyond the measured noise, several windows in a row, starts it again
+  (the log says by how much), first with a jump to the shares the speeds
+  call for (a device that slowed down mid-run), judged like any move.  Every
+  probe is a window at worse shares and new local batch sizes, so a settled
+  run that kept probing would pay for it at every probe.
 
 Every rank feeds the same all-reduced windows to its own :class:`ShareSearch`,
 so all ranks take the same decisions without another collective.
@@ -110,7 +112,6 @@ class ShareSearch:
         self._alarms = 0
         self._speeds: list[float] | None = None
         self._trial_runs: list[float] = []
-        self._imbalance = 1.0
         self._undone = 0  # undone moves since the last kept one
         self._costs = StepCosts(self.batch_size)
         self._window: Window | None = None  # the last window observed
@@ -382,17 +383,17 @@ class ShareSearch:
         self.settled = True
         self._reference = self._base_throughput()
         self._watched = [self._reference]
-        self._imbalance = self._model()[2]  # what the speeds say at the best shares: their bias, not a change
         self._alarms = 0
         self._undone = 0
         return [Event("settle", tuple(self.ratios), tuple(self.ratios), self._reference, 0.0, why)]
 
     def _watch(self, throughput: float) -> list[Event]:
-        _, proposal, imbalance = self._model()
+        """Settled: no probe until the throughput at the kept shares falls beyond its noise, ``alarms`` windows
+        in a row (a device slowed down, the machine's load changed); then the search starts again, saying why."""
         t = self.tuning
-        dropped = throughput < self._reference * (1 - max(t.drop, t.drop_noise * self.noise()))
-        skewed = proposal is not None and imbalance > self._imbalance * (1.0 + max(t.skew, t.skew_noise * self.noise()))
-        self._alarms = self._alarms + 1 if (dropped or skewed) else 0
+        fall = max(t.drop, t.drop_noise * self.noise())
+        dropped = throughput < self._reference * (1 - fall)
+        self._alarms = self._alarms + 1 if dropped else 0
         if self._alarms < t.alarms:
             if not dropped:  # the reference is the mean of recent windows: the max of noisy ones would be too high
                 self._watched = [*self._watched[-(t.watched - 1):], throughput]
@@ -405,6 +406,7 @@ class ShareSearch:
         self._jumps.clear()
         self._costs.clear()  # windows from before a change of speed describe other devices
         self._base_runs = self._base_runs[-1:]
-        why = "throughput fell" if dropped else f"compute speeds {imbalance:.2f}x out of balance"
+        why = (f"throughput fell {self._alarms} windows in a row, more than {fall:.1%} below the settled "
+               f"{self._reference:.0f} samples/s (the windows' noise: {self.noise():.1%})")
         events = [Event("restart", tuple(self.ratios), tuple(self.ratios), self._reference, throughput, why)]
         return events + self._propose()

@@ -30,9 +30,6 @@ class Tuning:
         growth: after a kept move, the next one is this many times larger (up to ``max_step``).
         drop: once settled, a throughput drop of this much (or ``drop_noise`` noise units) is an alarm.
         drop_noise: see ``drop``.
-        skew: once settled, compute speeds this much further out of balance than when the
-            search settled (or ``skew_noise`` noise units) are an alarm.
-        skew_noise: see ``skew``.
         alarms: alarms in a row that start the search again.
         watched: how many recent windows at the settled shares make the reference.
     """
@@ -52,7 +49,5 @@ class Tuning:
     growth: float = 1.5
     drop: float = 0.05
     drop_noise: float = 3.0
-    skew: float = 0.15
-    skew_noise: float = 4.0
-    alarms: int = 2
+    alarms: int = 3
     watched: int = 5

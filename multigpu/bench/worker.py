@@ -15,6 +15,8 @@ from pathlib import Path
 
 __all__ = ["main"]
 
+import itertools
+
 from multigpu.bench.baselines import BASELINES
 from multigpu.bench.clock import timer as _timer
 from multigpu.bench.clock import write as _write
@@ -67,10 +69,10 @@ def _fit_run(cfg: dict, spec) -> None:
     if cfg.get("sweep"):
         _write(cfg, {"sweep": sweep.rates(timer.times, batch), "samples_per_second": rate})
         return
+    timed = timer.times[warmup:]
     result = {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate,
-              "peak_rss": _peak_rss()}
+              "peak_rss": _peak_rss(), "step_times": [b - a for a, b in itertools.pairwise(timed)]}
     if phases is not None:
-        timed = timer.times[warmup:]
         result["breakdown"] = phases.per_step_ms(timed[-1] - timed[0])
     if parallel is not None:
         st = multigpu.state(model)

@@ -34,15 +34,31 @@ own code (nothing else changes):
 
 ``MULTIGPU_REPLAY=0`` in the environment keeps Keras's own pass everywhere.
 
-A signature (input shapes, dtypes, devices) is recorded at its second step
-at the earliest, so that a ragged last batch costs nothing, and otherwise
-once its steps through Keras's pass took as long as the last recording did:
-recording takes from 0.2 s (an MLP) to 4 s (a GRU over 40 steps, unrolled),
-so a local batch size that a share search only passes through costs at most
-twice its time, and one it settles on is replayed within that.  At most
-``max_graphs`` signatures are kept.  Recording runs the forward pass once
-more, with every non-trainable variable and torch's random state restored
-afterwards (recording and checking the replay write them once more).
+When to record is a matter of cost.  A recording costs several passes
+(tracing, one checking replay, the gradients of both: 1.5 s for the outside
+convnet at 86 rows, 7x its forward pass, against 0.2 s for an MLP), and each
+new local batch size is a new signature, so a share search that moves the
+shares would pay it at every move.  What a replay saves is measured: the
+first signature is recorded at its second step (``record_at``), and the
+first replays of a signature recorded after at least three warm passes
+through Keras (from its second: a first pass pays for a new size's buffers
+and kernels' plans) are timed against the fastest of them, in processor
+time; until then, a signature is recorded once its passes through Keras took
+as long as the last recording did.  The saving per step is
+about the same at every batch size (it is Keras's Python per operation).  A
+later signature is then recorded once the steps it ran through Keras's pass
+would have saved as much as a recording costs (a rent-or-buy rule: at most
+twice the cost of knowing the future), so a model whose replay saves nothing
+(a convnet, whose time is its arithmetic) is never recorded again and a
+size a search only passes through costs nothing.  While the search moves,
+a new size is recorded at its first step when the replay saves something
+and a recording costs at most ``PROMPT_SECONDS``: its windows should time the
+same pass as the shares they are compared with.  A saving below
+``MIN_GAIN`` of Keras's pass counts as none (the first passes of a size
+overstate it).  At most ``max_graphs`` signatures are kept.  Recording
+runs the forward pass once more, with every non-trainable variable and
+torch's random state restored afterwards (recording and checking the replay
+write them once more).
 """
 
 from __future__ import annotations
@@ -70,6 +86,14 @@ TRUSTED_MODULES = ("keras.", "keras_hub.src.layers.modeling.")
 # this: the GRU of bench_balance records in 4 s, and a recording at each of a search's ~10 moves cost more
 # than the search gained (gru 256: auto 0.65 of the best fixed share); the MLP's take 0.2 s.
 PROMPT_SECONDS = 1.0
+# A measured saving below this fraction of Keras's pass counts as none: the first passes of a size are still
+# warming up (buffers, kernels' plans, caches), so they overstate it.  The outside convnet's replay saves 1-2%
+# of its forward pass once warm, and measured 12-20% over its second pass; the MLP's saves 65%.
+MIN_GAIN = 0.25
+# Replays of a signature timed to measure the saving, and the warm passes through Keras's code (after its first)
+# it is measured against: one warm pass is not enough (a process's second pass still ran 0.2 s against 0.07 s).
+_TIMED_REPLAYS = 3
+_WARM_PASSES = 3
 
 
 class ForwardReplay:
@@ -103,6 +127,11 @@ class ForwardReplay:
         self.record_seconds = 0.0
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._seen: dict[tuple, tuple[int, float]] = {}  # steps and seconds through Keras's pass
+        # What a replay saves is timed in processor time, which a throttled device's bursts do not distort
+        # (the same pass measured 0.04 to 0.2 s of wall time on a device held to half a core).
+        self._fastest: dict[tuple, tuple[int, float]] = {}  # warm passes through Keras's code: (count, fastest)
+        self._replays: dict[tuple, list[float]] = {}  # the first replays' processor seconds, per signature
+        self.gain: float | None = None  # processor seconds a replay saves per step; None until measured
         self._refused: set[tuple] = set()
         self._checked = False
 
@@ -135,19 +164,41 @@ class ForwardReplay:
             if graph is not None:
                 self._graphs.move_to_end(key)
                 self.replayed += 1
-                return self._replay(graph, values, leaves)
-        began = time.perf_counter()
+                timed = self._replays.get(key)
+                if timed is None or len(timed) >= _TIMED_REPLAYS:
+                    return self._replay(graph, values, leaves)
+                began = time.process_time()
+                out = self._replay(graph, values, leaves)
+                timed.append(time.process_time() - began)
+                count, keras_cpu = self._fastest.get(key, (0, 0.0))
+                if len(timed) == _TIMED_REPLAYS and count >= _WARM_PASSES:
+                    replay_cpu = min(timed)
+                    self.gain = keras_cpu - replay_cpu if replay_cpu < (1 - MIN_GAIN) * keras_cpu else 0.0
+                return out
+        began, began_cpu = time.perf_counter(), time.process_time()
         before = _rng_state() if key is not None and key not in self._refused else None
         y_pred, loss = self._keras(x, y, sample_weight)
         if key is None or key in self._refused:
             return y_pred, loss, False
+        cpu = time.process_time() - began_cpu
         steps, seconds = self._seen.get(key, (0, 0.0))
+        if steps:  # a signature's first pass also pays its first use (buffers, kernels' plans): not a measure
+            count, fastest = self._fastest.get(key, (0, cpu))
+            self._fastest[key] = count + 1, min(cpu, fastest)
         self._seen[key] = steps, seconds = steps + 1, seconds + time.perf_counter() - began
-        prompt = prompt and self.recorded and self._record_cost <= PROMPT_SECONDS
-        if not prompt and (steps < self.record_at or seconds < self._record_cost):
-            return y_pred, loss, False  # recorded once its passes took as long as a recording
+        if not self._should_record(steps, seconds, prompt):
+            return y_pred, loss, False
         self._record(key, x, y, sample_weight, leaves, values, y_pred, loss, before)
         return y_pred, loss, True
+
+    def _should_record(self, steps: int, seconds: float, prompt: bool) -> bool:
+        """Whether a signature run ``steps`` times through Keras's pass (``seconds`` in all) is recorded now
+        (see the module docstring)."""
+        if prompt and self.recorded and self._record_cost <= PROMPT_SECONDS and (self.gain is None or self.gain > 0):
+            return True
+        if self.gain is None:  # the saving is not measured yet: record at ``record_at``, by the seconds rule
+            return steps >= self.record_at and seconds >= self._record_cost
+        return self.gain > 0 and steps * self.gain >= self._record_cost
 
     # ------------------------------------------------------------ internals
     def _keras(self, x, y, sample_weight):
@@ -212,6 +263,8 @@ class ForwardReplay:
             return
         self.recorded += 1
         self._graphs[key] = (gm, unique, template)
+        if self.gain is None:
+            self._replays[key] = []  # time the first replays: what a replay saves decides the next recordings
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
 
