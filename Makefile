@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# requirement (used only by its TF tokenizers), and the rest of what it imports comes after.
 	$(BIN)/pip install --quiet --no-deps "keras-hub==0.32.0"
 	$(BIN)/pip install --quiet absl-py regex rich tokenizers sentencepiece kagglehub grain
+	# TensorFlow's CPU build for the tf.data tests (multigpu imports it only when the data is a tf.data.Dataset);
+	# it leaves Keras as it is.
+	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
 	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)

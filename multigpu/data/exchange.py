@@ -81,9 +81,12 @@ def _wait(ready, what: str, stop: threading.Event | None = None) -> None:
 
 
 def _to_numpy(leaf):
-    """torch tensors travel as NumPy arrays (pickle would copy them in-band)."""
+    """Tensors travel as NumPy arrays: pickle would copy a torch tensor in-band, and a rank cuts its rows out of
+    NumPy arrays only (JAX arrays, which Keras's grain-format dataset utilities yield on JAX, included)."""
     if type(leaf).__module__.startswith("torch") and hasattr(leaf, "numpy"):
         return leaf.detach().cpu().numpy()
+    if not isinstance(leaf, np.ndarray) and hasattr(leaf, "__array__") and hasattr(leaf, "shape"):
+        return np.asarray(leaf)
     return leaf
 
 
@@ -152,6 +155,21 @@ class Pass:
             return self._control
 
     # ------------------------------------------------------------ readers
+    def wait_for_room(self, index: int, stop: threading.Event | None = None, start: int = 0) -> None:
+        """Returns once global batch ``index`` may be read: fewer than ``depth`` batches wait unread, and
+        fewer than ``start`` while the consumers have taken fewer than ``start`` (a slow start).
+
+        Raises:
+            StoppedError: when ``stop`` is set while waiting.
+        """
+        control = self.control()
+
+        def ready() -> bool:
+            done = int(control.min())
+            return index < done + (start if done < start else self.depth)
+
+        _wait(ready, "room in the queue", stop)
+
     def publish(self, index: int, batch, stop: threading.Event | None = None) -> None:
         """Writes global batch ``index`` once fewer than ``depth`` batches wait unread.
 

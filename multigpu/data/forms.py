@@ -1,7 +1,7 @@
 """The input forms Keras takes, told apart, and the few facts every source needs of a batch.
 
 Backend-neutral: NumPy, Keras's tree utilities, and the class names of torch's
-data types (torch itself is never imported here).
+and TensorFlow's data types (neither is imported here).
 """
 
 from __future__ import annotations
@@ -61,11 +61,17 @@ def _is_grain_dataset(x) -> bool:
                for c in type(x).__mro__)
 
 
+def _is_tf_dataset(x) -> bool:
+    return any(c.__module__.startswith("tensorflow.python.data") and c.__name__ in ("DatasetV2", "DatasetV1")
+               for c in type(x).__mro__)
+
+
 def input_kind(x) -> str:
-    """``"arrays"``, ``"pydataset"``, ``"generator"``, ``"dataloader"``, ``"grain"`` or ``"other"``.
+    """``"arrays"``, ``"pydataset"``, ``"generator"``, ``"dataloader"``, ``"grain"``, ``"tf.data"`` or ``"other"``.
 
     A grain dataset is what keras-hub's tasks build in their own ``fit``
-    (batched and preprocessed), and one Keras itself takes.
+    (batched and preprocessed), and one Keras itself takes; a ``tf.data``
+    dataset is what Keras's ``*_dataset_from_directory`` utilities return.
     """
     if is_array_data(x):
         return "arrays"
@@ -75,6 +81,8 @@ def input_kind(x) -> str:
         return "dataloader"
     if _is_grain_dataset(x):
         return "grain"
+    if _is_tf_dataset(x):
+        return "tf.data"
     if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
         return "generator"
     return "other"

@@ -218,10 +218,16 @@ class StreamSource:
         source: the generator or iterable.
         host: this rank's machine.
         depth: global batches read ahead.
+        slow_start: read at most this many batches of a pass before the ranks have taken as many (then
+            ``depth``), and no batch before there is room for it.  Keras reads two batches of the pass
+            it opens to build the model and leaves it; reading no further keeps state that a pass
+            shares with the next one (a ``tf.data`` shuffle's seed, drawn anew at each repetition)
+            where Keras leaves it.
     """
 
-    def __init__(self, source: Iterable, host: Host, depth: int = 4) -> None:
+    def __init__(self, source: Iterable, host: Host, depth: int = 4, slow_start: int = 0) -> None:
         self.source, self.host = source, host
+        self.slow_start = slow_start
         self.one_shot = inspect.isgenerator(source) or iter(source) is source
         self.stream = host.stream()
         self.depth = max(depth, 2 * host.local_size)
@@ -242,7 +248,14 @@ class StreamSource:
 
     def _read(self, reader: _Reader) -> None:
         i = 0
-        for item in self.source:
+        items = iter(self.source)
+        while True:
+            if self.slow_start:
+                reader.pass_.wait_for_room(i, reader.stop, self.slow_start)
+            try:
+                item = next(items)
+            except StopIteration:
+                break
             if reader.stop.is_set():
                 return
             reader.publish(i, item)

@@ -7,6 +7,7 @@ from multigpu.data.forms import input_kind, is_array_data
 from multigpu.data.host import Host
 from multigpu.data.loader import LoaderSource, can_cut_by_index
 from multigpu.data.readers import PyDatasetSource, StreamSource
+from multigpu.data.tfdata import NumpyBatches, check_element_spec
 
 __all__ = ["source_for"]
 
@@ -38,7 +39,8 @@ def source_for(x, y, sample_weight, batch_size, shuffle, seed: int, what: str, h
     if kind == "other":
         raise TypeError(
             f"{what}: multigpu takes NumPy arrays or torch tensors (alone, or in lists and dicts), "
-            "a keras.utils.PyDataset, a Python generator, a torch DataLoader or a batched grain dataset. "
+            "a keras.utils.PyDataset, a Python generator, a torch DataLoader, a batched grain dataset or a "
+            "tf.data.Dataset. "
             f"Received: x of type {type(x).__name__}"
         )
     if y is not None or sample_weight is not None:
@@ -50,6 +52,10 @@ def source_for(x, y, sample_weight, batch_size, shuffle, seed: int, what: str, h
         return PyDatasetSource(x, shuffle, seed, host)
     if kind == "dataloader" and can_cut_by_index(x):
         return LoaderSource(x, host.comm, host.rank)
+    if kind == "tf.data":
+        check_element_spec(x, what)
+        x = NumpyBatches(x)
+        return StreamSource(x, host, slow_start=2)
     if host.hosts > 1 and host.rank == 0:
         warn_user(
             f"{what}: each machine reads its own copy of this {kind} and its ranks take their shares of each "

@@ -97,7 +97,7 @@ class Loops:
             seed = p.comm.shared_seed()  # names this call's input files apart from any other's
         host = Host.of(p.runtime, p.comm, seed or 0)
         source = source_for(x, y, sample_weight, batch_size, shuffle, seed or 0, what, host)
-        if kind in ("pydataset", "dataloader"):
+        if kind in ("pydataset", "dataloader", "tf.data"):
             p.comm.check_same(source.num_batches or -1, f"{what}: the numbers of batches")
         return ShardedData(source, p.balancer.planner, training=training,
                            input_time=p.timing.note_input if training else None)
