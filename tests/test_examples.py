@@ -139,6 +139,19 @@ def test_keras_hub_classifier_trains_from_strings_and_saves_the_task(runner):
     assert runner.leftovers() == []
 
 
+@pytest.mark.timeout(200)
+def test_image_folder_trains_from_image_files_with_keras_dataset_utility(runner):
+    pytest.importorskip("tensorflow", reason="needs TensorFlow for tf.data (make test-examples installs it)")
+    folder = runner.tmp_path / "images"
+    out = run_example(runner, "image_folder.py", *TWO_CPUS, "--ratios", "3,1", "--folder", str(folder), timeout=190)
+    assert "2 device(s): CPU:0 75%, CPU:1 25%" in out, out
+    assert len(list(folder.glob("*/*.png"))) == 2000  # 10 classes of 200 files, written once for every rank
+    accuracy = re.search(rf"^validation accuracy: {NUMBER}$", out, re.M)
+    assert accuracy and float(accuracy[1]) > 0.3, out  # ten classes: chance is 0.1
+    assert re.search(r"^first predictions: (\S+, ){4}\S+$", out, re.M), out
+    assert runner.leftovers() == []
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_the_example_notebook_compares_one_device_with_all(runner, backend):
