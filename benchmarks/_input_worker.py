@@ -6,7 +6,8 @@ Started by ``bench_input.py`` (never by hand in normal use), in three ways:
 * multigpu: ``multigpu run --devices cpu:0,cpu:1 _input_worker.py --case C --out R.json --multigpu``;
 * a hand-written PyTorch DDP loop: ``--ddp`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, one
   process per core, each loading only its rows through ``DistributedSampler`` (or, for the cases
-  that read whole batches, its own half-size batches) with the same costs and workers.
+  that read whole batches, its own half-size batches; for ``tf.data``, its own ``Dataset.shard``)
+  with the same costs and workers.
 
 Cases (every one at global batch 128 of 32x32x3 images; costs are per batch of 128 rows,
 proportional to the rows read):
@@ -18,6 +19,11 @@ proportional to the rows read):
   ``num_workers=2``;
 * ``loader-cpu``: the same DataLoader with the NumPy augmentation per item;
 * ``gen-io``: a generator that waits ``--gen-wait`` ms per batch (default 80);
+* ``tfdata-io``: a ``tf.data`` pipeline whose ``map(num_parallel_calls=4)`` waits 80 ms per batch
+  (a file read, in ``tf.numpy_function``), then ``prefetch``;
+* ``tfdata-cpu``: the same with the NumPy augmentation in the ``map`` (``num_parallel_calls=2``);
+* ``tfdir-io``: ``keras.utils.image_dataset_from_directory`` over 3,072 PNG files of 32x32 pixels
+  (written once under the temporary folder), decoded by TensorFlow;
 * ``arrays-none``: the same images as in-memory arrays: what the model reaches when nothing is read.
 """
 
@@ -31,6 +37,7 @@ import time
 
 BATCH = 128
 IO_PER_BATCH = 0.080
+TF_ROUNDS = 30  # rounds of TensorFlow's image augmentation per batch in ``tfdata-cpu``
 ITEM_WAIT = 0.0006
 POOL = 2048  # distinct images, read round-robin
 
@@ -131,6 +138,85 @@ def generator(batches: int, wait: float):
         yield read(range(i * BATCH, (i + 1) * BATCH), "none", x, y)
 
 
+def tf_pipeline(cost: str, batches: int, rows: int = BATCH, shard: tuple[int, int] | None = None):
+    """A ``tf.data`` pipeline of ``batches`` batches of ``rows`` rows at the case's cost: a ``py_function``
+    per batch in ``map(num_parallel_calls=4)`` (io: waits as a file read does; cpu: the NumPy augmentation,
+    ``num_parallel_calls=2``), then ``prefetch``.  ``shard=(world, rank)``: ``Dataset.shard``, as a DDP rank
+    reads its own part."""
+    import tensorflow as tf
+
+    x, y = images()
+
+    def load(i):
+        xb, yb = read(range(int(i) * rows, (int(i) + 1) * rows), cost, x, y)
+        return xb, yb
+
+    def mapped(i):
+        xb, yb = tf.numpy_function(load, [i], (tf.float32, tf.int64))
+        xb.set_shape((rows, 32, 32, 3))
+        yb.set_shape((rows,))
+        return xb, yb
+
+    images_t, labels_t = tf.constant(x), tf.constant(y)
+
+    def augmented(i):  # TensorFlow's own image ops, as a tf.data pipeline augments: no Python, no GIL
+        index = (tf.range(rows, dtype=tf.int64) + i * rows) % POOL
+        xb, yb = tf.gather(images_t, index), tf.gather(labels_t, index)
+        for _ in range(TF_ROUNDS):
+            xb = tf.image.resize_with_crop_or_pad(tf.image.random_crop(xb, (rows, 28, 28, 3), seed=1), 32, 32)
+            xb = tf.image.random_flip_left_right(xb, seed=2)
+            xb = tf.image.random_brightness(xb, 0.2, seed=3)
+            xb = tf.image.per_image_standardization(xb)
+        return xb, yb
+
+    ds = tf.data.Dataset.range(batches * (shard[0] if shard else 1))
+    if shard:
+        ds = ds.shard(*shard)
+    ds = ds.map(mapped if cost == "io" else augmented, num_parallel_calls=4 if cost == "io" else 2)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+IMAGE_FILES = 3072
+
+
+def image_folder() -> str:
+    """A folder of ``IMAGE_FILES`` 32x32 PNG files in 10 classes, written once (and kept) under the temporary
+    folder, for ``image_dataset_from_directory``."""
+    import tempfile
+
+    import keras
+
+    folder = os.path.join(tempfile.gettempdir(), f"multigpu-bench-images-{IMAGE_FILES}")
+    if os.path.isdir(folder):
+        return folder
+    x, y = images()
+    staging = tempfile.mkdtemp(prefix="multigpu-bench-images-")
+    for i in range(IMAGE_FILES):
+        label = os.path.join(staging, f"class{int(y[i % POOL])}")
+        os.makedirs(label, exist_ok=True)
+        keras.utils.save_img(os.path.join(label, f"{i:05d}.png"), (x[i % POOL] * 255).astype("uint8"), scale=False)
+    try:
+        os.rename(staging, folder)
+    except OSError:  # another process wrote it first
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def directory_dataset(batch: int, shard: tuple[int, int] | None = None):
+    """``keras.utils.image_dataset_from_directory`` over :func:`image_folder`, repeated for enough batches."""
+    import keras
+    import tensorflow as tf
+
+    ds = keras.utils.image_dataset_from_directory(image_folder(), image_size=(32, 32), batch_size=None,
+                                                  shuffle=True, seed=3, verbose=False)
+    ds = ds.repeat()
+    if shard:
+        ds = ds.shard(*shard)
+    return ds.batch(batch).map(lambda a, b: (a / 255.0, b)).prefetch(tf.data.AUTOTUNE)
+
+
 def build(width: float = 2.0):
     import keras
 
@@ -168,6 +254,10 @@ def keras_run(a) -> None:
         data = None
     elif kind == "loader":
         data = dataloader(cost, batches)
+    elif kind == "tfdata":
+        data = tf_pipeline(cost, batches)
+    elif kind == "tfdir":
+        data = directory_dataset(BATCH).take(batches)
     else:
         data = generator(batches, a.gen_wait / 1000)
     marks = {}
@@ -229,6 +319,10 @@ def ddp_run(a) -> None:
         sampler = torch.utils.data.distributed.DistributedSampler(ds, world, rank, shuffle=False)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler,
                                              num_workers=4 if cost == "io" else 2, persistent_workers=True)
+    elif kind in ("tfdata", "tfdir"):  # each rank reads its own shard (Dataset.shard) at half the batch
+        pipeline = (tf_pipeline(cost, batches, local, (world, rank)) if kind == "tfdata"
+                    else directory_dataset(local, (world, rank)).take(batches))
+        loader = ((torch.from_numpy(xb.numpy()), torch.from_numpy(yb.numpy()).long()) for xb, yb in pipeline)
     else:
         ds = torch.utils.data.Subset(row_dataset(cost), range(batches * BATCH))
         sampler = torch.utils.data.distributed.DistributedSampler(ds, world, rank, shuffle=False)

@@ -5,8 +5,9 @@
 
 For each input case of ``benchmarks/_input_worker.py`` (an I/O-bound and a CPU-bound
 ``PyDataset``, an I/O-bound and a CPU-bound ``DataLoader`` over a map-style dataset, an I/O-bound
-generator), one configuration after another, each in fresh processes, in ``--rounds`` rounds
-(the median counts):
+generator, an I/O-bound and a CPU-bound ``tf.data`` pipeline, ``image_dataset_from_directory`` over
+PNG files; the ``tf*`` cases need TensorFlow), one configuration after another, each in fresh
+processes, in ``--rounds`` rounds (the median counts):
 
 * ``single``: plain Keras ``fit`` on one core, the same loader and workers;
 * ``mg2``: multigpu on ``cpu:0`` and ``cpu:1``, equal shares;
@@ -14,7 +15,8 @@ generator), one configuration after another, each in fresh processes, in ``--rou
   (``DistributedSampler``) with the same costs and workers, equal shares (not for the generator,
   which cannot be sampled by index).
 
-The case ``pyds-io-slow`` puts the I/O-bound ``PyDataset`` on ``cpu:0`` and ``cpu:1@0.5`` (the
+The cases ``pyds-io-slow`` and ``tfdata-io-slow`` put the I/O-bound ``PyDataset`` (``tf.data``
+pipeline) on ``cpu:0`` and ``cpu:1@0.5`` (the
 second held to half a core; needs root) with equal (``mg2-equal``) and automatic (``mg2-auto``)
 shares.  Prints a table of ratios and writes ``benchmarks/results/input.json``.  Run it on an
 otherwise idle machine.
@@ -38,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from multigpu.runtime.processes import free_port  # noqa: E402
 
 WORKER = str(ROOT / "benchmarks" / "_input_worker.py")
-CASES = ["arrays-none", "pyds-io", "pyds-cpu", "loader-io", "loader-cpu", "gen-io", "pyds-io-slow"]
+CASES = ["arrays-none", "pyds-io", "pyds-cpu", "loader-io", "loader-cpu", "gen-io", "pyds-io-slow",
+         "tfdata-io", "tfdata-cpu", "tfdir-io", "tfdata-io-slow"]
 CONFIGS = {"single": "single", "mg2": "mg2", "ddp": "ddp"}
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("tensorflow", reason="the tf.data tests need TensorFlow (mak
 
 BACKENDS = {"torch": {"KERAS_BACKEND": "torch"},
             "jax": {"KERAS_BACKEND": "jax", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}}
-KINDS = ("map", "repeat", "images", "images_grain")
+KINDS = ("map", "repeat", "images", "images_grain", "text", "timeseries")
 
 
 def load(path):

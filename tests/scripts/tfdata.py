@@ -13,7 +13,10 @@ Three models, each from one input form:
   (one iterator across epochs, as in Keras, crossing into the second repetition);
 * ``images`` and ``images_grain``: ``keras.utils.image_dataset_from_directory`` over PNG files the
   script writes, with ``validation_split``/``subset="both"`` and a seeded shuffle, in both of its
-  formats (``"tf"`` and ``"grain"``).
+  formats (``"tf"`` and ``"grain"``);
+* ``text``: ``keras.utils.text_dataset_from_directory`` over text files the script writes, with a
+  validation split, made numbers by a ``TextVectorization`` layer in ``dataset.map``;
+* ``timeseries``: ``keras.utils.timeseries_dataset_from_array`` with a seeded shuffle.
 
 Then ``evaluate`` and ``predict`` on datasets.  Writes every model's weights and History, the
 evaluation and the predictions (rank R > 0: OUT.rankR.npz).
@@ -57,6 +60,7 @@ def pipeline(x, y, *, fail: bool = False, batch: int = BATCH):
 
 def write_images(folder: str) -> None:
     rng = np.random.default_rng(7)
+    os.makedirs(folder)
     for label in ("a", "b"):
         os.makedirs(os.path.join(folder, label))
         for i in range(24):
@@ -65,12 +69,47 @@ def write_images(folder: str) -> None:
             keras.utils.save_img(os.path.join(folder, label, f"{i:03d}.png"), pixels)
 
 
+def write_texts(folder: str) -> None:
+    rng = np.random.default_rng(9)
+    words = {"pos": ["good", "great", "fine"], "neg": ["bad", "awful", "poor"]}
+    for label, own in words.items():
+        os.makedirs(os.path.join(folder, label))
+        for i in range(20):
+            text = " ".join(rng.choice([*own, "the", "film", "was", "a"], size=int(rng.integers(3, 9))))
+            with open(os.path.join(folder, label, f"{i:03d}.txt"), "w") as f:
+                f.write(text)
+
+
+def text_datasets(folder: str):
+    """``text_dataset_from_directory`` (strings), made numbers in the pipeline by a ``TextVectorization``
+    layer with a fixed vocabulary, as keras.io's text examples do."""
+    train, val = keras.utils.text_dataset_from_directory(folder, batch_size=8, validation_split=0.25,
+                                                         subset="both", seed=2, shuffle=True)
+    vectorize = keras.layers.TextVectorization(vocabulary=["good", "great", "fine", "bad", "awful", "poor", "the",
+                                                           "film", "was", "a"], output_mode="count")
+
+    def numbers(text, label):
+        return vectorize(text), label
+
+    return train.map(numbers), val.map(numbers)
+
+
+def timeseries_dataset():
+    """``timeseries_dataset_from_array``: windows of 6 steps of a 3-feature series, a seeded shuffle."""
+    series = np.random.default_rng(10).normal(size=(120, 3)).astype("float32")
+    targets = (series[:, 0] > 0).astype("int64")
+    return keras.utils.timeseries_dataset_from_array(series, targets[5:], sequence_length=6, batch_size=16,
+                                                     shuffle=True, seed=4)
+
+
 def build(shape, classes):
     keras.utils.set_random_seed(6)
     layers = [keras.Input(shape)]
     if len(shape) == 3:
         layers += [keras.layers.Rescaling(1 / 255.0), keras.layers.Conv2D(4, 3, activation="relu"),
                    keras.layers.GlobalAveragePooling2D()]
+    elif len(shape) == 2:
+        layers += [keras.layers.Flatten()]
     layers += [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(classes, activation="softmax")]
     return keras.Sequential(layers)
 
@@ -85,9 +124,11 @@ def main() -> int:
     rank, results = 0, {}
     model = None
     with tempfile.TemporaryDirectory(prefix="tfdata-images-") as folder:
-        write_images(folder)
-        for kind in ("map", "repeat", "images", "images_grain"):
-            model = build((8, 8, 3) if kind.startswith("images") else (4,), 2)
+        write_images(os.path.join(folder, "images"))
+        write_texts(os.path.join(folder, "texts"))
+        for kind in ("map", "repeat", "text", "timeseries", "images", "images_grain"):  # images last: evaluated
+            shape = {"images": (8, 8, 3), "images_grain": (8, 8, 3), "text": (11,), "timeseries": (6, 3)}
+            model = build(shape.get(kind, (4,)), 2)
             if not a.plain:
                 import multigpu
 
@@ -104,10 +145,15 @@ def main() -> int:
                 # (and tf.data's own read-ahead) stay inside the first repetition, whose end draws the next
                 # shuffle seed from the state every iterator of the dataset shares.
                 history = model.fit(pipeline(x, y, batch=8).repeat(), epochs=3, steps_per_epoch=5, verbose=0)
+            elif kind == "text":
+                train, val = text_datasets(os.path.join(folder, "texts"))
+                history = model.fit(train, epochs=2, verbose=0, validation_data=val)
+            elif kind == "timeseries":
+                history = model.fit(timeseries_dataset(), epochs=2, verbose=0)
             else:
                 train, val = keras.utils.image_dataset_from_directory(
-                    folder, image_size=(8, 8), batch_size=12, validation_split=0.25, subset="both", seed=1,
-                    shuffle=True, format="grain" if kind == "images_grain" else "tf")
+                    os.path.join(folder, "images"), image_size=(8, 8), batch_size=12, validation_split=0.25,
+                    subset="both", seed=1, shuffle=True, format="grain" if kind == "images_grain" else "tf")
                 history = model.fit(train, epochs=2, verbose=0, validation_data=val)
             results[kind] = np.concatenate([w.ravel() for w in model.get_weights()])
             results[f"{kind}_history"] = json.dumps(history.history)
