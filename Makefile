@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-tf
 export KERAS_BACKEND := torch
 
 .PHONY: demo test test-examples lint bench compat keras-suite keras-suite-jax clean
@@ -17,12 +18,15 @@ $(STAMP): pyproject.toml Makefile
 	# requirement (used only by its TF tokenizers), and the rest of what it imports comes after.
 	$(BIN)/pip install --quiet --no-deps "keras-hub==0.32.0"
 	$(BIN)/pip install --quiet absl-py regex rich tokenizers sentencepiece kagglehub grain
-	# TensorFlow's CPU build for the tf.data tests (multigpu imports it only when the data is a tf.data.Dataset);
-	# it leaves Keras as it is.
-	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
 	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
+
+# TensorFlow's CPU build for the tf.data tests and the image-folder example only (multigpu imports it only when
+# the data is a tf.data.Dataset; it leaves Keras as it is), so that `make demo` does not wait for it.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
+	touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	@# Fashion-MNIST from Debian's package when we may install it; the demo falls back to synthetic data otherwise.
@@ -34,12 +38,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
 
-test: $(STAMP) lint
+test: $(TEST_STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py
 
 # Every example under examples/ end to end with --quick, the notebook in a real kernel on both backends
 # (an outside check, about 3.5 min).
-test-examples: $(STAMP)
+test-examples: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_examples.py
 
 bench: $(STAMP)

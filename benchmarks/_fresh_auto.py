@@ -1,6 +1,6 @@
 """One run of ``bench_fresh_auto.py``: the outside convnet trained as a user would, in a plain script.
 
-    python benchmarks/_fresh_auto.py OUT.json --ratios auto|2,1|equal [--epochs 6 --steps 16 --batch 128]
+    python benchmarks/_fresh_auto.py OUT.json --profile NEW.json --ratios auto|2,1|equal [--epochs 6 ...]
 
 ``python script.py`` with ``devices=["cpu:0", "cpu:1@0.5"]``: the script re-runs itself once per
 device.  Rank 0 writes the end time of every training step, per epoch, and the shares at the end.
@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,31 +44,27 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--profile", required=True, help="a profile file that does not exist yet (a fresh profile)")
     a = p.parse_args()
     if a.ratios in ("auto", "equal"):
         ratios = "auto" if a.ratios == "auto" else [1, 1]
     else:
         ratios = [float(v) for v in a.ratios.split(",")]
     keras.utils.set_random_seed(0)
-    with tempfile.TemporaryDirectory(prefix="fresh-auto-") as tmp:
-        # A fresh profile: calibration at the first step, then the search (each rank has its own copy of tmp's name).
-        profile = os.environ.get("FRESH_AUTO_PROFILE") or str(Path(tmp) / "profile.json")
-        os.environ["FRESH_AUTO_PROFILE"] = profile
-        model = multigpu.parallelize(build(), devices=a.devices.split(","), ratios=ratios, profile=profile)
-        model.compile(optimizer=keras.optimizers.SGD(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((a.batch * a.steps, 32, 32, 3)).astype("float32")
-        y = rng.integers(0, 10, a.batch * a.steps)
-        ends = StepEnds()
-        model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=[ends])
-        if multigpu.rank() == 0:
-            st = multigpu.state(model)
-            last = ends.epochs[-1]
-            Path(a.out).write_text(json.dumps({
-                "ratios": a.ratios, "batch": a.batch, "steps": [list(np.diff(e)) for e in ends.epochs],
-                "samples_per_second": a.batch * (len(last) - 1) / (last[-1] - last[0]),
-                "shares": st.shares(a.batch)}))
+    model = multigpu.parallelize(build(), devices=a.devices.split(","), ratios=ratios, profile=a.profile)
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((a.batch * a.steps, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, a.batch * a.steps)
+    ends = StepEnds()
+    model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=[ends])
+    if multigpu.rank() == 0:
+        last = ends.epochs[-1]
+        Path(a.out).write_text(json.dumps({
+            "ratios": a.ratios, "batch": a.batch, "steps": [list(np.diff(e)) for e in ends.epochs],
+            "samples_per_second": a.batch * (len(last) - 1) / (last[-1] - last[0]),
+            "shares": multigpu.state(model).shares(a.batch)}))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ def run(ratios: str, epochs: int, steps: int, batch: int, timeout: float = 900) 
     with tempfile.TemporaryDirectory(prefix="bench-fresh-auto-") as tmp:
         out = Path(tmp) / "out.json"
         env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "torch"), OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore", MULTIGPU_PROFILE=str(Path(tmp) / "unused.json"))
-        proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--ratios", ratios, "--epochs", str(epochs),
+                   PYTHONWARNINGS="ignore")
+        proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--profile", str(Path(tmp) / "profile.json"),
+                               "--ratios", ratios, "--epochs", str(epochs),
                                "--steps", str(steps), "--batch", str(batch)],
                               env=env, capture_output=True, text=True, timeout=timeout, check=False)
         if proc.returncode != 0 or not out.exists():

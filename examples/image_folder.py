@@ -34,11 +34,13 @@ CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt",
 
 
 def write_folder(folder: str, per_class: int) -> str:
-    """``per_class`` PNG files per class under ``folder/<class>/``; returns where the images came from.
+    """``per_class`` PNG files per class under ``folder/<class>/``; returns where they came from.
 
-    Every rank runs this script: each writes into a folder of its own and renames it into place, and the
-    first rename wins, so the folder is never seen half-written.
+    The script runs once to start the devices and once on each of them: the first run writes the folder
+    (into a folder of its own, renamed into place, so it is never seen half-written) and the others find it.
     """
+    if os.path.isdir(folder):
+        return "written earlier"
     try:
         (images, labels), _ = load_mnist_like("fashion_mnist")
         source = "Fashion-MNIST"
@@ -47,8 +49,6 @@ def write_folder(folder: str, per_class: int) -> str:
         labels = np.repeat(np.arange(len(CLASSES)), per_class)
         images = np.clip(rng.normal(20 * labels[:, None, None], 40, size=(len(labels), 28, 28)), 0, 255)
         source = "synthetic images"
-    if os.path.isdir(folder):
-        return source
     staging = tempfile.mkdtemp(prefix=os.path.basename(folder) + "-", dir=os.path.dirname(folder))
     for c, name in enumerate(CLASSES):
         os.makedirs(os.path.join(staging, name))
@@ -105,7 +105,7 @@ def main() -> None:
     rank0 = multigpu.rank() == 0
     state = multigpu.state(model)
     if rank0:
-        print(f"{len(CLASSES) * args.per_class} images of {source} in {folder}", flush=True)
+        print(f"{len(CLASSES) * args.per_class} images in {folder} ({source})", flush=True)
         print(state.describe(), flush=True)
     began = time.perf_counter()
     model.fit(train, epochs=args.epochs, validation_data=val, verbose=2 if rank0 else 0)

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import time
 import uuid
 
 import keras
@@ -12,6 +13,7 @@ import torch
 from multigpu.data.exchange import directory
 from multigpu.data.forms import input_kind, num_rows, validation_split
 from multigpu.data.host import Host
+from multigpu.data.readers import StreamSource
 from multigpu.data.sources import source_for
 from multigpu.keras.data import ShardedData
 from multigpu.planning import StepPlanner, split
@@ -184,6 +186,40 @@ def test_a_generator_is_read_by_one_rank_and_a_peeked_batch_is_given_again():
     cut = lockstep(datas)
     assert [list(b[1]) for b in cut[1]] == [[6, 7], [14, 15], [22, 23], [30, 31]]
     assert set(made) == {0}  # only local rank 0's generator was read
+    for d in datas:
+        d.close()
+    assert no_files_left(machine[0].run)
+
+
+def test_a_slow_start_reads_two_batches_of_a_pass_keras_only_peeks_into():
+    """A tf.data pass Keras opens to build the model and leaves after one batch is read two batches deep, as
+    Keras reads it (a deeper read-ahead would move the state a dataset's iterators share); a pass the ranks
+    take from is read ahead to the full depth."""
+    machine = hosts()
+    reads = []
+
+    class Counted:
+        def __iter__(self):
+            for i in range(12):
+                reads.append(i)
+                yield np.full((8, 1), i, "float32"), np.arange(8)
+
+    def sources(slow_start):
+        return [StreamSource(Counted(), h, slow_start=slow_start) for h in machine]
+
+    for slow_start in (2, 0):
+        reads.clear()
+        datas = [ShardedData(s, p, training=True) for s, p in zip(sources(slow_start), planners())]
+        peeks = [d.get_numpy_iterator() for d in datas]
+        assert [len(next(it)[1]) for it in peeks] == [6, 2]
+        time.sleep(0.5)  # time for the reader to read as far as it may
+        assert len(reads) == 2 if slow_start else len(reads) > 2, reads
+        for it in peeks:
+            it.close()
+        for d in datas:
+            d.close()
+    datas = [ShardedData(s, p, training=True) for s, p in zip(sources(2), planners())]
+    assert [len(b) for b in lockstep(datas)] == [12, 12]  # a pass that is taken from reads on
     for d in datas:
         d.close()
     assert no_files_left(machine[0].run)

@@ -6,36 +6,24 @@
 TensorFlow (``make test`` installs ``tensorflow-cpu``).
 """
 
-import json
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from tests.conftest import SCRIPTS
+from tests.test_inputs import BACKENDS, _input_files, load, rel
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 pytest.importorskip("tensorflow", reason="the tf.data tests need TensorFlow (make test installs tensorflow-cpu)")
 
-BACKENDS = {"torch": {"KERAS_BACKEND": "torch"},
-            "jax": {"KERAS_BACKEND": "jax", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}}
-KINDS = ("map", "repeat", "images", "images_grain", "text", "timeseries")
-
-
-def load(path):
-    data = np.load(path)
-    return {k: json.loads(str(data[k])) if data[k].dtype.kind == "U" else data[k] for k in data.files}
-
-
-def rel(a, b):
-    return float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12))
+KINDS = ("map", "repeat", "text", "timeseries", "images", "images_grain")
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
 def reference(request, tmp_path_factory):
-    import subprocess
-
     backend = request.param
     if backend == "jax":
         pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
@@ -95,9 +83,3 @@ def test_strings_in_a_dataset_are_refused_before_any_batch_is_read():
     with pytest.raises(TypeError, match="a ragged tensor"):
         check_element_spec(ragged, "fit")
     check_element_spec(tf.data.Dataset.from_tensor_slices(([1.0, 2.0], [0, 1])).batch(2), "fit")  # numbers pass
-
-
-def _input_files() -> list[str]:
-    from multigpu.data.exchange import directory
-
-    return [f for f in os.listdir(directory()) if f.startswith("multigpu-in-")]

@@ -7,6 +7,7 @@ synthetic data of its input shape and writes rank 0's result to ``out``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -14,8 +15,6 @@ import time
 from pathlib import Path
 
 __all__ = ["main"]
-
-import itertools
 
 from multigpu.bench.baselines import BASELINES
 from multigpu.bench.clock import timer as _timer

@@ -85,7 +85,7 @@ def _to_numpy(leaf):
     NumPy arrays only (JAX arrays, which Keras's grain-format dataset utilities yield on JAX, included)."""
     if type(leaf).__module__.startswith("torch") and hasattr(leaf, "numpy"):
         return leaf.detach().cpu().numpy()
-    if not isinstance(leaf, np.ndarray) and hasattr(leaf, "__array__") and hasattr(leaf, "shape"):
+    if not isinstance(leaf, (np.ndarray, np.generic)) and hasattr(leaf, "__array__") and hasattr(leaf, "shape"):
         return np.asarray(leaf)
     return leaf
 

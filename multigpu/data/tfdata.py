@@ -73,8 +73,9 @@ def _as_tensorflow_would(dataset):
     CPU count, and the reader thread (whose affinity the pool's threads
     inherit) may run on every core.  Measured with ``bench_input.py`` on two
     cores, multigpu on two devices against a DDP loop of ranks reading their
-    own shards: I/O-bound pipeline 0.71x pinned, 1.06x with the pool; CPU-bound
-    (TensorFlow's image ops) 0.75x pinned, 0.90x with the pool on every core.
+    own shards: I/O-bound pipeline 0.71x pinned, 1.03x with the pool on every
+    core; CPU-bound (TensorFlow's image ops) 0.75x and 0.97x
+    (``benchmarks/RESULTS.md``, "tf.data pipelines").
     """
     import os
 
