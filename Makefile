@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-tf
 export KERAS_BACKEND := torch
 
-.PHONY: demo test test-examples lint bench compat keras-suite keras-suite-jax clean
+.PHONY: demo test test-examples test-outside lint bench compat keras-suite keras-suite-jax clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
 
 test: $(TEST_STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py \
+		-m "not outside"
+
+# Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI sweep (about 1.5 min).
+test-outside: $(TEST_STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/test_examples.py -m outside
 
 # Every example under examples/ end to end with --quick, the notebook in a real kernel on both backends
 # (an outside check, about 3.5 min).

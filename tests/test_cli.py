@@ -29,6 +29,7 @@ def test_bench_prints_per_device_rates_baselines_and_breakdown(runner):
     assert runner.leftovers() == []
 
 
+@pytest.mark.outside  # `make test-outside`: 17 s of runs that the other CLI tests already start
 def test_sweep_writes_table_json_markdown_and_png(runner):
     res = runner.cli("bench", "--sweep", "16,32", "--devices", "cpu:0", "cpu:1", *TINY,
                      "--out", str(runner.tmp_path))
