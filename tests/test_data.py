@@ -191,6 +191,70 @@ def test_a_generator_is_read_by_one_rank_and_a_peeked_batch_is_given_again():
     assert no_files_left(machine[0].run)
 
 
+class _Sums:
+    """``sum_floats`` between threads that play the ranks of several machines."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world_size, self.lock, self.rows = world, threading.Lock(), []
+        self.summed = threading.Barrier(world, action=self._total)
+        self.read = threading.Barrier(world)
+
+    def _total(self):
+        self.total = list(np.sum(self.rows, axis=0))
+        self.rows = []
+
+    def sum_floats(self, values, what=""):
+        with self.lock:
+            self.rows.append(list(values))
+        self.summed.wait(timeout=30)
+        total = self.total
+        self.read.wait(timeout=30)
+        return total
+
+
+@pytest.mark.parametrize("same_order", [True, False])
+def test_machines_whose_copies_give_other_batches_are_told_once(same_order, recwarn):
+    """Two machines of one rank each read their own copy of a stream; copies in other orders (an unseeded
+    shuffle) are found at the first batch and said once, by rank 0; copies in the same order say nothing."""
+    import threading
+
+    run, comm = uuid.uuid4().hex[:8], _Sums(2)
+    machines = [Host(r, f"rank {r}", 0, 1, 2, run, 7, comm) for r in range(2)]
+
+    def gen(machine):
+        order = range(4) if same_order or machine == 0 else (1, 0, 3, 2)
+        for i in order:
+            yield np.full((8, 1), i, "float32"), np.arange(8) + 8 * i
+
+    sources = [StreamSource(gen(r), h) for r, h in enumerate(machines)]
+    datas = [ShardedData(s, p, training=True) for s, p in zip(sources, planners())]
+    got = [None, None]
+
+    def play(r):
+        datas[r].set_epoch(0)
+        datas[r].on_epoch_begin()
+        got[r] = [keras.tree.map_structure(np.asarray, b) for b in datas[r].get_numpy_iterator()]
+
+    threads = [threading.Thread(target=play, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for d in datas:
+            d.close()
+    assert no_files_left(run)
+    assert [len(g) for g in got] == [4, 4]
+    told = [str(w.message) for w in recwarn if "differs between machines" in str(w.message)]
+    if same_order:
+        assert told == []
+    else:
+        assert len(told) == 1 and "global batch 0 differs between machines (rank(s) [1]" in told[0], told
+
+
 def test_a_slow_start_reads_two_batches_of_a_pass_keras_only_peeks_into():
     """A tf.data pass Keras opens to build the model and leaves after one batch is read two batches deep, as
     Keras reads it (a deeper read-ahead would move the state a dataset's iterators share); a pass the ranks

@@ -20,6 +20,7 @@ naming the rank that read it and the original error.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ import numpy as np
 
 from multigpu import failure
 from multigpu._keras import compat as _compat
+from multigpu._warn import warn_user
 from multigpu.data.exchange import InputError, Pass, StoppedError
 from multigpu.data.forms import batch_rows, standardize
 from multigpu.data.host import Host
@@ -82,16 +84,35 @@ class _Reader:
         self._thread.join(timeout)
 
 
-def _take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan]):
-    """Batch ``index`` of the pass, this rank's rows copied out, or None at the input's end."""
+def _take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan], marks: list | None = None):
+    """Batch ``index`` of the pass, this rank's rows copied out, or None at the input's end.
+
+    ``marks``: a list that receives the global batch's :func:`fingerprint` (several machines).
+    """
     kind, batch = pass_.fetch(index)
     if kind == "end":
         return None
     batch = standardize(batch)
     rows = batch_rows(batch)
+    if marks is not None:
+        marks.append(fingerprint(batch, rows))
     plan = plan_of(rows)
     begin, end = plan.rows(plan.rank)
     return cut_rows(batch, rows, begin, end)
+
+
+def fingerprint(batch, rows: int) -> int:
+    """A number under 2**22 that tells global batches apart: a digest of every array's shape and first and
+    last rows.  A batch of the same rows in another order (an unseeded shuffle) almost always differs there;
+    hashing whole batches at every step would cost about a millisecond per megabyte.  Small enough to be
+    summed exactly in float32."""
+    digest = hashlib.blake2b(digest_size=8)
+    for leaf in keras.tree.flatten(batch):
+        if isinstance(leaf, np.ndarray):
+            digest.update(repr((leaf.shape, leaf.dtype.str)).encode())
+            if leaf.ndim and rows:
+                digest.update(np.ascontiguousarray(leaf[[0, rows - 1]] if leaf.shape[0] == rows else leaf[:1]))
+    return int.from_bytes(digest.digest(), "little") % (1 << 22)
 
 
 class _Stripe(keras.utils.PyDataset):
@@ -235,6 +256,7 @@ class StreamSource:
         self._pass: Pass | None = None
         self._reader: _Reader | None = None
         self._position = 0  # of a one-shot stream: the next batch not yet trained on
+        self._said_apart = False
 
     @property
     def num_batches(self):
@@ -279,9 +301,10 @@ class StreamSource:
             pass_, i = self._open(), 0
         try:
             while True:
-                batch = _take(pass_, i, plan_of)
-                if self.host.hosts > 1:
-                    self._agree(batch is not None, i)
+                marks = [] if self.host.hosts > 1 else None
+                batch = _take(pass_, i, plan_of, marks)
+                if marks is not None:
+                    self._agree(marks[0] if marks else None, i)
                 if batch is None:
                     return
                 yield batch
@@ -293,18 +316,27 @@ class StreamSource:
             if not self.one_shot:
                 self._close(pass_)
 
-    def _agree(self, have: bool, index: int) -> None:
-        """With several machines, every rank must still have a batch, or none may."""
+    def _agree(self, mark: int | None, index: int) -> None:
+        """With several machines, every rank must still have a batch, or none may; and every machine's copy
+        should give the same batch (said once, by rank 0, when it does not)."""
         comm = self.host.comm
-        flags = [0.0] * comm.world_size
-        flags[self.host.rank] = 1.0 if have else 0.0
-        flags = comm.sum_floats(flags, "checking that every machine's input has the next batch")
-        with_batch = [r for r, v in enumerate(flags) if v]
+        marks = [0.0] * comm.world_size
+        marks[self.host.rank] = 0.0 if mark is None else float(mark + 1)
+        marks = comm.sum_floats(marks, "checking that every machine's input has the next batch")
+        with_batch = [r for r, v in enumerate(marks) if v]
         if 0 < len(with_batch) < comm.world_size:
-            without = [r for r, v in enumerate(flags) if not v]
+            without = [r for r, v in enumerate(marks) if not v]
             raise InputError(f"the input ran out after {index} batches on rank(s) {without} while rank(s) "
                              f"{with_batch} still had batch {index}: every machine reads its own copy of this "
                              "input, and every copy must yield the same global batches.")
+        if with_batch and len(set(marks)) > 1 and self.host.rank == 0 and not self._said_apart:
+            self._said_apart = True
+            apart = sorted({r for r in with_batch if marks[r] != marks[0]})
+            warn_user(f"global batch {index} differs between machines (rank(s) {apart} got another batch than "
+                      "rank 0): every machine reads its own copy of this input, and the copies give their batches "
+                      "in different orders (a shuffle without a seed: `dataset.shuffle(n, seed=S)`, or "
+                      "keras.utils.set_random_seed before building the dataset). Each machine trains on its own "
+                      "order, so the run does not reproduce one device.")
 
     def _close(self, pass_: Pass) -> None:
         if self._reader is not None:

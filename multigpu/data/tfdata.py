@@ -31,8 +31,13 @@ __all__ = ["NumpyBatches", "check_element_spec"]
 def check_element_spec(dataset, what: str) -> None:
     """Refuses, before any batch is read and on every rank, elements that torch and JAX cannot take.
 
+    Plain Keras on torch and JAX fails on such an element at its first batch
+    with ``ValueError: Invalid dtype: object``; this raises the same error
+    type, opening with the same words, and goes on to name the element and
+    the way out.
+
     Raises:
-        TypeError: a string, ragged or sparse component, naming it.
+        ValueError: a string, ragged or sparse component, naming it.
     """
     import tensorflow as tf
 
@@ -45,10 +50,11 @@ def check_element_spec(dataset, what: str) -> None:
             problem = "strings (tf.string)"
         else:
             continue
-        raise TypeError(
-            f"{what}: the dataset's element {path} holds {problem}, which Keras's {keras.backend.backend()} "
-            "backend cannot take as a tensor. Turn it into numbers inside the pipeline (a TextVectorization or "
-            "StringLookup layer in `dataset.map`, `.to_tensor()` for ragged batches, `tf.sparse.to_dense`). "
+        raise ValueError(
+            f"Invalid dtype: object. {what}: the dataset's element {path} holds {problem}, which Keras's "
+            f"{keras.backend.backend()} backend cannot take as a tensor. Turn it into numbers inside the pipeline "
+            "(a TextVectorization or StringLookup layer in `dataset.map`, `.to_tensor()` for ragged batches, "
+            "`tf.sparse.to_dense`). "
             f"Received: element_spec={dataset.element_spec}"
         )
 

@@ -16,7 +16,9 @@ Three models, each from one input form:
   formats (``"tf"`` and ``"grain"``);
 * ``text``: ``keras.utils.text_dataset_from_directory`` over text files the script writes, with a
   validation split, made numbers by a ``TextVectorization`` layer in ``dataset.map``;
-* ``timeseries``: ``keras.utils.timeseries_dataset_from_array`` with a seeded shuffle.
+* ``timeseries``: ``keras.utils.timeseries_dataset_from_array`` with a seeded shuffle;
+* ``audio``: ``keras.utils.audio_dataset_from_directory`` over WAV files the script writes, cut to a fixed
+  length, with a validation split and a seeded shuffle.
 
 Then ``evaluate`` and ``predict`` on datasets.  Writes every model's weights and History, the
 evaluation and the predictions (rank R > 0: OUT.rankR.npz).
@@ -35,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 ROWS, BATCH = 90, 32
+KINDS = ("map", "repeat", "text", "timeseries", "audio", "images", "images_grain")
 
 
 def make_data():
@@ -78,6 +81,23 @@ def write_texts(folder: str) -> None:
             text = " ".join(rng.choice([*own, "the", "film", "was", "a"], size=int(rng.integers(3, 9))))
             with open(os.path.join(folder, label, f"{i:03d}.txt"), "w") as f:
                 f.write(text)
+
+
+def write_audio(folder: str) -> None:
+    """Mono 16-bit WAV clips of 40 to 60 samples: a low tone for one class, a high one for the other."""
+    import wave
+
+    rng = np.random.default_rng(11)
+    for label, pitch in (("low", 0.15), ("high", 0.6)):
+        os.makedirs(os.path.join(folder, label))
+        for i in range(18):
+            n = int(rng.integers(40, 61))
+            clip = 0.5 * np.sin(pitch * np.arange(n) + rng.uniform(0, 6)) + rng.normal(0, 0.05, size=n)
+            with wave.open(os.path.join(folder, label, f"{i:03d}.wav"), "wb") as f:
+                f.setnchannels(1)
+                f.setsampwidth(2)
+                f.setframerate(8000)
+                f.writeframes((np.clip(clip, -1, 1) * 32767).astype("<i2").tobytes())
 
 
 def text_datasets(folder: str):
@@ -126,8 +146,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tfdata-images-") as folder:
         write_images(os.path.join(folder, "images"))
         write_texts(os.path.join(folder, "texts"))
-        for kind in ("map", "repeat", "text", "timeseries", "images", "images_grain"):  # images last: evaluated
-            shape = {"images": (8, 8, 3), "images_grain": (8, 8, 3), "text": (11,), "timeseries": (6, 3)}
+        write_audio(os.path.join(folder, "audio"))
+        for kind in KINDS:  # images last: evaluated
+            shape = {"images": (8, 8, 3), "images_grain": (8, 8, 3), "text": (11,), "timeseries": (6, 3),
+                     "audio": (48, 1)}
             model = build(shape.get(kind, (4,)), 2)
             if not a.plain:
                 import multigpu
@@ -150,6 +172,11 @@ def main() -> int:
                 history = model.fit(train, epochs=2, verbose=0, validation_data=val)
             elif kind == "timeseries":
                 history = model.fit(timeseries_dataset(), epochs=2, verbose=0)
+            elif kind == "audio":
+                train, val = keras.utils.audio_dataset_from_directory(
+                    os.path.join(folder, "audio"), batch_size=8, output_sequence_length=48, validation_split=0.25,
+                    subset="both", seed=3, shuffle=True)
+                history = model.fit(train, epochs=2, verbose=0, validation_data=val)
             else:
                 train, val = keras.utils.image_dataset_from_directory(
                     os.path.join(folder, "images"), image_size=(8, 8), batch_size=12, validation_split=0.25,
