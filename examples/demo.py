@@ -31,7 +31,12 @@ import keras
 import numpy as np
 
 import multigpu
-from multigpu.devices import cuda_device_count
+
+
+def cuda_device_count() -> int:
+    """The GPUs multigpu can use here."""
+    return sum(d.is_cuda for d in multigpu.list_devices())
+
 
 ALONE_STEPS = 12  # timed steps of the one-device run (after 3 untimed ones)
 # On a CPU: chosen by benchmarks/bench_demo.py (see benchmarks/RESULTS.md) so that two devices pay.

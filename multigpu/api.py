@@ -6,21 +6,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from multigpu import env
-from multigpu.devices import Device, cuda_device_count, usable_cores
+from multigpu import backend, env
+from multigpu.devices import Device, usable_cores
 from multigpu.planning.shares import RatioSpec, parse_ratios, validate_ratios
 from multigpu.runtime import runtime as _runtime
 
 __all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
 
 DeviceSpec = str | int | Device
-COMPRESSION = (None, "bf16", "fp16")
 TRANSPORTS = ("auto", "shm", "gloo")
 _COMMS: dict = {}
-# JAX compiles the step once per local batch size (~6 s for the benchmark convnet on one core), so there
-# local batch sizes are multiples of 1/16 of the batch (each compiled once), the share search moves by
-# that much at least (torch: one sample), and does not open with a scan.
-JAX_GRID = 16
 
 
 def _check_model(model) -> None:
@@ -53,15 +48,14 @@ def _check_caps(max_batch, n: int):
     return caps
 
 
-def _devices_differ(devices) -> bool:
+def _devices_differ(devices, facts) -> bool:
+    """Whether the devices may differ in speed: kinds or speed factors differ, or GPUs of other models."""
     if len({(d.kind, d.speed) for d in devices}) > 1:
         return True
     if devices and devices[0].is_cuda:
         try:
-            import torch
-
-            return len({torch.cuda.get_device_name(d.index) for d in devices}) > 1
-        except Exception:
+            return len({facts.gpu_info(d.index)["name"] for d in devices}) > 1
+        except Exception:  # a GPU the framework cannot describe: take them as alike
             return False
     return False
 
@@ -152,9 +146,7 @@ def parallelize(
         model.fit(x, y, batch_size=256, epochs=3)
         ```
     """
-    from multigpu import backend
-
-    backend.check()
+    facts = backend.facts()  # raises for a backend multigpu does not run on
     from multigpu._keras import compat as _compat
 
     _compat.check()
@@ -163,8 +155,10 @@ def parallelize(
     _check_flag("rebalance", rebalance, allow_none=True)
     _check_flag("recalibrate", recalibrate)
     _check_flag("report", report)
-    if compression not in COMPRESSION:
-        raise ValueError(f"`compression` must be one of None, 'bf16', 'fp16'. Received: compression={compression!r}")
+    if compression is not None and compression not in facts.compression:
+        allowed = ", ".join(["None", *map(repr, facts.compression)])
+        raise ValueError(f"`compression` must be one of {allowed} on the {facts.name} backend. "
+                         f"Received: compression={compression!r}")
     transport = os.environ.get(env.TRANSPORT) or transport
     if transport not in TRANSPORTS:
         raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
@@ -185,7 +179,7 @@ def parallelize(
     if spec.kind == "profile":
         spec, auto = _from_profile(spec, n)
     elif spec.kind == "default":
-        auto = _devices_differ(runtime.devices)
+        auto = _devices_differ(runtime.devices, facts)
     from multigpu.keras import parallel
 
     if n == 1:
@@ -195,8 +189,8 @@ def parallelize(
 
     options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
                              profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
-                             caps=caps, report=report, grid=JAX_GRID if backend.name() == "jax" else 0,
-                             scan=backend.name() != "jax", compression=compression)
+                             caps=caps, report=report, grid=facts.grid, scan=facts.scan,
+                             compression=compression)
     comm = _COMMS.get(id(runtime))
     if comm is None:
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)
@@ -241,7 +235,7 @@ def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
     elif isinstance(gpus, int) and not isinstance(gpus, bool):
         if gpus < 1:
             raise ValueError(f"`gpus` must be at least 1. Received: gpus={gpus}")
-        kind = "cuda" if cuda_device_count() else "cpu"
+        kind = "cuda" if backend.gpu_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(gpus)]
         if kind == "cpu" and _runtime.rank() == 0 and os.environ.get(env.RANK) is None:
             from multigpu._warn import warn_user
@@ -277,7 +271,7 @@ def list_devices() -> list[Device]:
     Returns:
         ``Device`` objects; their ``spec`` is what ``devices=`` accepts.
     """
-    gpus = [Device("cuda", i) for i in range(cuda_device_count())]
+    gpus = [Device("cuda", i) for i in range(backend.gpu_count())]
     cpus = [Device("cpu", i, 1.0, (c,)) for i, c in enumerate(usable_cores())]
     return gpus + cpus
 

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Device", "assign_cores", "cuda_device_count", "driver_gpu_count", "parse_devices", "usable_cores"]
+__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "parse_devices", "usable_cores"]
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@]+))?$")
 _MAX_AUTO_CPU_DEVICES = 8
@@ -63,23 +63,6 @@ class Device:
         return self.spec
 
 
-def cuda_device_count() -> int:
-    """Number of visible CUDA GPUs: torch's count on the torch backend (0 when torch has no CUDA); on JAX,
-    the NVIDIA driver's (JAX may not compute before a rank joins the run, so it cannot be asked)."""
-    from multigpu import env
-
-    if env.keras_backend() == "jax":
-        return driver_gpu_count()
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return 0
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
 def driver_gpu_count(root: str = "/proc/driver/nvidia/gpus") -> int:
     """GPUs the NVIDIA driver lists under ``root``, narrowed by ``CUDA_VISIBLE_DEVICES`` when it is set."""
     try:
@@ -96,6 +79,19 @@ def driver_gpu_count(root: str = "/proc/driver/nvidia/gpus") -> int:
             break
         count += 1
     return count
+
+
+def driver_gpu_name(index: int, root: str = "/proc/driver/nvidia/gpus") -> str:
+    """The model the NVIDIA driver reports for its ``index``-th GPU, or ``"NVIDIA GPU"``."""
+    try:
+        folder = sorted(os.listdir(root))[index]
+        with open(os.path.join(root, folder, "information")) as f:
+            for line in f:
+                if line.startswith("Model:"):
+                    return line.split(":", 1)[1].strip()
+    except (OSError, IndexError):
+        pass
+    return "NVIDIA GPU"
 
 
 def usable_cores() -> list[int]:
@@ -155,13 +151,14 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
 def parse_devices(
     devices: str | int | Sequence[str | int | Device] | None,
     *,
-    num_gpus: int | None = None,
+    num_gpus: int | Callable[[], int] | None = None,
 ) -> list[Device]:
     """Turns a user's device specification into a list of devices.
 
     Args:
         devices: ``"auto"``/``None``, one device, or a sequence of devices.
-        num_gpus: visible GPUs (queried, importing torch, only when ``None`` and a GPU or ``"auto"`` is named).
+        num_gpus: the GPUs the backend can use, or a function that counts them (called only when a GPU or
+            ``"auto"`` is named): ``multigpu.backend.gpu_count``.  ``None``: the NVIDIA driver's count.
 
     Returns:
         The devices, in rank order, without CPU cores assigned yet.
@@ -169,10 +166,10 @@ def parse_devices(
     Raises:
         ValueError: for unknown, malformed, missing or repeated devices.
     """
-    known = num_gpus
-
     def gpus() -> int:
-        return cuda_device_count() if known is None else known
+        if num_gpus is None:
+            return driver_gpu_count()
+        return num_gpus() if callable(num_gpus) else num_gpus
 
     if isinstance(devices, (list, tuple)) and len(devices) == 1 and str(devices[0]).strip().lower() == "auto":
         devices = "auto"

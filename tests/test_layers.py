@@ -1,8 +1,11 @@
-"""The import graph of ``multigpu/``: no circle, and no arrow from a layer to one above it.
+"""The import graph of ``multigpu/``: no circle, no arrow from a layer to one above it, frameworks in ``backend/``.
 
 Every ``import`` counts, those inside functions too (they hide circles from
 Python but not from a reader).  The layers, bottom to top, are listed in
-:data:`LAYERS`; a module may import its own folder and any layer below.
+:data:`LAYERS`; a module may import its own folder and any layer below.  Only
+``backend/<name>/`` imports torch, JAX or TensorFlow (the readers of their
+own input types and the benchmark harness excepted: :data:`FRAMEWORK_USERS`),
+and each backend declares its facts there.
 """
 
 import ast
@@ -21,6 +24,17 @@ LAYERS = [
     {"api"},
     {"__init__", "bench", "cli", "__main__"},
 ]
+
+
+FRAMEWORKS = {"torch", "jax", "jaxlib", "tensorflow"}
+# Modules outside backend/ that may import a framework, and why.
+FRAMEWORK_USERS = {
+    "data/loader.py": "reads a torch DataLoader, torch's own input type",
+    "data/tfdata.py": "reads a tf.data.Dataset, TensorFlow's own input type",
+    "bench/worker.py": "the `multigpu bench` harness times each framework's own passes",
+    "bench/breakdown.py": "the `multigpu bench` harness times torch's calls",
+    "bench/baselines.py": "the DDP and JAX baselines `multigpu bench` compares with",
+}
 
 
 def _unit(module: str) -> str:
@@ -84,3 +98,41 @@ def test_no_circle_anywhere():
         if unit not in state:
             circle = visit(unit, [])
             assert circle is None, " -> ".join(circle)
+
+
+def _framework_imports(path: Path, top_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in tree.body if top_level_only else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & FRAMEWORKS
+
+
+def test_only_backends_import_a_framework():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith("backend/") and relative.count("/") >= 2:
+            continue  # backend/<name>/...
+        if _framework_imports(path) and relative not in FRAMEWORK_USERS:
+            wrong.append(f"{relative} imports {sorted(_framework_imports(path))}")
+    assert wrong == [], "framework imports outside backend/<name>/: " + "; ".join(wrong)
+    assert all((ROOT / p).exists() and _framework_imports(ROOT / p) for p in FRAMEWORK_USERS), \
+        "an exception that no longer imports a framework: drop it"
+
+
+def test_every_backend_declares_its_facts_in_its_own_folder():
+    from multigpu.backend import SUPPORTED
+    from multigpu.backend.facts import Facts
+
+    folders = sorted(p.name for p in (ROOT / "backend").iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(SUPPORTED)
+    for name in SUPPORTED:
+        facts_file = ROOT / "backend" / name / "facts.py"
+        assert not _framework_imports(facts_file, top_level_only=True), f"{name}'s facts import {name} eagerly"
+        namespace: dict = {}
+        exec(compile(facts_file.read_text(), str(facts_file), "exec"), namespace)
+        assert isinstance(namespace["FACTS"], Facts) and namespace["FACTS"].name == name

@@ -9,16 +9,22 @@ integration, the command line) is backend-neutral.  A backend module gives:
 * ``Steps(parallel_model)``: the training, test and predict steps, a
   :class:`multigpu.backend.steps.StepsCore` (its docstring is the contract;
   ``multigpu.parallelize`` hands the class to
-  :class:`multigpu.keras.parallel.ParallelModel`).
+  :class:`multigpu.keras.parallel.ParallelModel`);
+* ``FACTS``: its policy and hardware facts, a :class:`multigpu.backend.facts.Facts`
+  (the local-batch grid, whether the share search opens with a scan, the
+  16-bit formats it sends, its GPUs), which the layers above read instead of
+  testing the backend's name.
 """
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 from multigpu import env
+from multigpu.backend.facts import Facts
 
-__all__ = ["SUPPORTED", "get", "name"]
+__all__ = ["SUPPORTED", "facts", "get", "gpu_count", "name"]
 
 SUPPORTED = ("torch", "jax")
 
@@ -45,10 +51,15 @@ def check() -> str:
 
 
 def get() -> ModuleType:
-    """The module of the backend in use."""
-    current = check()
-    if current == "torch":
-        from multigpu.backend import torch as module
-    else:
-        from multigpu.backend import jax as module
-    return module
+    """The module of the backend in use (``multigpu.backend.<name>``)."""
+    return importlib.import_module(f"{__name__}.{check()}")
+
+
+def facts() -> Facts:
+    """The facts of the backend in use, without importing its collectives or steps."""
+    return importlib.import_module(f"{__name__}.{check()}.facts").FACTS
+
+
+def gpu_count() -> int:
+    """The GPUs the backend in use can run on (0 on a backend multigpu does not run on)."""
+    return facts().gpu_count() if name() in SUPPORTED else 0

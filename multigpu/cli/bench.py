@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from multigpu import backend
 from multigpu.bench.models import names
 from multigpu.planning.shares import parse_ratios
 
@@ -48,7 +49,7 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.steps < 2 or args.warmup < 1:
         raise ValueError(f"--steps must be >= 2 and --warmup >= 1. Received: {args.steps}, {args.warmup}")
-    devices = parse_devices(args.devices)
+    devices = parse_devices(args.devices, num_gpus=backend.gpu_count)
     if args.batches is not None:
         if len(args.batches) != len(devices):
             raise ValueError(
@@ -86,9 +87,10 @@ def _ratios(args, n: int):
 def _base_config(args, batch: int, ratios) -> dict:
     from multigpu.devices import parse_devices
 
+    devices = parse_devices(args.devices, num_gpus=backend.gpu_count)
     return {
         "mode": "multigpu", "model": args.model, "width": args.width,
-        "devices": [d.spec for d in parse_devices(args.devices)], "batch": batch, "ratios": ratios,
+        "devices": [d.spec for d in devices], "batch": batch, "ratios": ratios,
         "steps": args.steps, "warmup": args.warmup, "print_every": 0, "compression": args.compression,
     }
 
@@ -107,7 +109,7 @@ def _where_time_goes(result: dict) -> list[str]:
 def _first_cores(config: dict) -> list[int]:
     from multigpu.devices import assign_cores, parse_devices
 
-    return list(assign_cores(parse_devices(config["devices"]), warn=False)[0].cores)
+    return list(assign_cores(parse_devices(config["devices"], num_gpus=backend.gpu_count), warn=False)[0].cores)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,12 +31,13 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from multigpu import backend
     from multigpu.balancing.profiles import default_profile_path, profile_key, write_profile
     from multigpu.bench.models import get_model
     from multigpu.bench.runs import run_config
     from multigpu.devices import assign_cores, parse_devices
 
-    devices = assign_cores(parse_devices(args.devices))
+    devices = assign_cores(parse_devices(args.devices, num_gpus=backend.gpu_count))
     get_model(args.model)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})

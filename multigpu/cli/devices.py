@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 
 
@@ -29,37 +28,18 @@ def _meminfo() -> tuple[int, int]:
     return total, free
 
 
-def _driver_gpu_name(index: int, root: str = "/proc/driver/nvidia/gpus") -> str:
-    """The model the NVIDIA driver reports for its ``index``-th GPU, or ``"NVIDIA GPU"``."""
-    try:
-        folder = sorted(os.listdir(root))[index]
-        with open(os.path.join(root, folder, "information")) as f:
-            for line in f:
-                if line.startswith("Model:"):
-                    return line.split(":", 1)[1].strip()
-    except (OSError, IndexError):
-        pass
-    return "NVIDIA GPU"
-
-
 def collect() -> dict:
-    """Everything ``multigpu devices`` reports, as a dict."""
-    import torch
+    """Everything ``multigpu devices`` reports, as a dict (the GPUs as the backend in use sees them)."""
+    import importlib.metadata as md
 
-    from multigpu.devices import cuda_device_count, usable_cores
+    from multigpu import backend
+    from multigpu.devices import usable_cores
     from multigpu.throttle import cgroup_status
 
-    rows = []
-    for i in range(cuda_device_count()):
-        if not torch.cuda.is_available():  # JAX's GPUs beside a CPU build of torch: the driver's name only
-            rows.append({"device": f"cuda:{i}", "name": _driver_gpu_name(i)})
-            continue
-        prop = torch.cuda.get_device_properties(i)
-        free, total = torch.cuda.mem_get_info(i)
-        rows.append({
-            "device": f"cuda:{i}", "name": prop.name, "total_memory": total, "free_memory": free,
-            "compute_capability": f"{prop.major}.{prop.minor}",
-        })
+    supported = backend.name() in backend.SUPPORTED
+    facts = backend.facts() if supported else None
+    gpus = facts.gpu_count() if facts else 0
+    rows = [{"device": f"cuda:{i}", **facts.gpu_info(i)} for i in range(gpus)]
     total, free = _meminfo()
     cores = usable_cores()
     for k, core in enumerate(cores):
@@ -67,19 +47,16 @@ def collect() -> dict:
             "device": f"cpu:{k}", "name": platform.processor() or platform.machine(),
             "cores": [core], "total_memory": total, "free_memory": free,
         })
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    versions = {"python": platform.python_version()}
     try:
-        import importlib.metadata as md
-
         versions["keras"] = md.version("keras")
-    except Exception:
+    except md.PackageNotFoundError:
         versions["keras"] = "not installed"
-    versions["cuda"] = torch.version.cuda or "none"
-    if torch.cuda.is_available():
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    if facts:
+        versions.update(facts.versions())
     return {
-        "gpus": cuda_device_count(), "cpu_cores": len(cores), "devices": rows,
-        "versions": versions, "throttling": cgroup_status(), "keras_backend": os.environ.get("KERAS_BACKEND"),
+        "gpus": gpus, "cpu_cores": len(cores), "devices": rows,
+        "versions": versions, "throttling": cgroup_status(), "keras_backend": backend.name(),
     }
 
 
@@ -97,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'device':<10} {'name':<28} {'memory (free/total)':<22} detail")
     for row in info["devices"]:
         detail = (f"compute {row['compute_capability']}" if "compute_capability" in row
-                  else f"core {','.join(map(str, row['cores']))}")
-        mem = f"{_gib(row['free_memory'])}/{_gib(row['total_memory'])}"
+                  else f"core {','.join(map(str, row['cores']))}" if "cores" in row else "")
+        mem = f"{_gib(row['free_memory'])}/{_gib(row['total_memory'])}" if "total_memory" in row else "unknown"
         print(f"{row['device']:<10} {row['name'][:28]:<28} {mem:<22} {detail}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     print(f"throttling (cpu:K@F): {info['throttling']}")

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from multigpu import backend
 from multigpu.devices import assign_cores, parse_devices
 from multigpu.planning.shares import parse_ratios
 from multigpu.runtime.supervisor import Supervisor
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-restarts must be >= 0. Received: {args.max_restarts}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0. Received: {args.timeout}")
-    devices = assign_cores(parse_devices(args.devices))
+    devices = assign_cores(parse_devices(args.devices, num_gpus=backend.gpu_count))
     ratios = None if args.ratios is None else parse_ratios(args.ratios, len(devices)).text()
     os.environ.setdefault("KERAS_BACKEND", "torch")
     command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "script", args.script, *args.args]

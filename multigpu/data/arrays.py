@@ -27,11 +27,9 @@ def _to_floatx(a):
 
 
 def _take(array, index):
-    if isinstance(index, slice) or isinstance(array, np.ndarray):
-        return array[index]
-    import torch
-
-    return array[torch.as_tensor(index, device=array.device)]
+    """Rows ``index`` (a slice or an array of row numbers) of a NumPy array or a torch tensor, which takes a
+    NumPy index as it is (on any device)."""
+    return array[index]
 
 
 class ArraySource:

@@ -25,8 +25,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from multigpu import env
-from multigpu.devices import Device, assign_cores, cuda_device_count, parse_devices
+from multigpu import backend, env
+from multigpu.devices import Device, assign_cores, parse_devices
 from multigpu.failure import fail, failed, identify, note_failure, note_thread_failure
 from multigpu.runtime.processes import command
 
@@ -139,10 +139,10 @@ def planned_devices(devices=None) -> list[Device]:
     Under torchrun only this machine's are known, so None is returned there.
     """
     if os.environ.get(env.RANK) is not None:
-        return parse_devices(os.environ[env.DEVICES])
+        return parse_devices(os.environ[env.DEVICES], num_gpus=backend.gpu_count)
     if all(os.environ.get(v) for v in env.TORCHRUN_VARS):
         return None
-    return parse_devices(os.environ.get(env.DEVICES) or devices)
+    return parse_devices(os.environ.get(env.DEVICES) or devices, num_gpus=backend.gpu_count)
 
 
 def start(devices=None, timeout: float | None = None) -> Runtime:
@@ -166,7 +166,8 @@ def start(devices=None, timeout: float | None = None) -> Runtime:
     elif all(os.environ.get(v) for v in env.TORCHRUN_VARS):
         runtime = _torchrun(devices, timeout_)
     else:
-        parsed = assign_cores(parse_devices(os.environ.get(env.DEVICES) or devices), warn=True)
+        parsed = assign_cores(parse_devices(os.environ.get(env.DEVICES) or devices, num_gpus=backend.gpu_count),
+                              warn=True)
         if len(parsed) > 1:
             _supervise(parsed, timeout_)  # exits
         runtime = Runtime(0, 1, parsed, "single", timeout_)
@@ -174,7 +175,6 @@ def start(devices=None, timeout: float | None = None) -> Runtime:
     _RUNTIME = runtime
     identify(runtime.rank, runtime.device.label)
     if runtime.world_size > 1:
-        from multigpu import backend
 
         sys.excepthook = note_failure(sys.excepthook)
         threading.excepthook = note_thread_failure(threading.excepthook)
@@ -197,7 +197,7 @@ def _launched(timeout: float) -> Runtime:
     supervisor = os.environ.get(env.SUPERVISOR_PID, "")
     if supervisor.isdigit() and os.getppid() != int(supervisor):
         os._exit(1)  # the supervisor died before this process could ask to die with it
-    parsed = assign_cores(parse_devices(os.environ[env.DEVICES]), warn=False)
+    parsed = assign_cores(parse_devices(os.environ[env.DEVICES], num_gpus=backend.gpu_count), warn=False)
     rank_ = int(os.environ[env.RANK])
     size = int(os.environ[env.WORLD_SIZE])
     if size != len(parsed):
@@ -212,9 +212,9 @@ def _torchrun(devices, timeout: float) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if devices is None or devices == "auto" or (isinstance(devices, (list, tuple)) and list(devices) == ["auto"]):
-        kind = "cuda" if cuda_device_count() else "cpu"
+        kind = "cuda" if backend.gpu_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(local_size)]
-    local = assign_cores(parse_devices(devices), warn=local_rank == 0)
+    local = assign_cores(parse_devices(devices, num_gpus=backend.gpu_count), warn=local_rank == 0)
     if len(local) == size:
         mine = local[rank_]
     elif len(local) == local_size:
@@ -229,7 +229,6 @@ def _torchrun(devices, timeout: float) -> Runtime:
 
 
 def _bind(runtime: Runtime) -> None:
-    from multigpu import backend
 
     device = runtime.device
     if not device.is_cuda and device.cores:
@@ -246,6 +245,5 @@ def _bind(runtime: Runtime) -> None:
 
 def _leave() -> None:
     """Leaves the run at exit: with the others when all went well (a barrier), at once after a failure."""
-    from multigpu import backend
 
     backend.get().leave(failed=failed())

@@ -2,14 +2,16 @@
 
 * ``group``: joining the run (before the program's first JAX computation) and leaving it;
 * ``collectives``: ``Comm``, every collective multigpu does, as XLA all-reduces;
-* ``step``: the training, test and predict functions Keras's loops call.
+* ``step``: the training, test and predict functions Keras's loops call;
+* ``facts``: ``FACTS``, what the layers above need to know of this backend.
 
 Only ``group`` is imported eagerly, and it imports JAX only when joining.
 """
 
+from multigpu.backend.jax.facts import FACTS
 from multigpu.backend.jax.group import bind, join, leave
 
-__all__ = ["Comm", "Steps", "bind", "join", "leave"]
+__all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
 
 def __getattr__(name: str):

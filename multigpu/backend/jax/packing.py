@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from multigpu.backend.facts import HALF_PRECISION
+
 __all__ = ["COMPRESSION", "flat", "metric_results", "one_row_of_zeros", "split"]
 
 
@@ -26,7 +28,7 @@ def split(vector, like: list, offset: int = 0) -> list:
     return out
 
 
-COMPRESSION = {None: None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+COMPRESSION = {None: None, **{k: getattr(jnp, v) for k, v in HALF_PRECISION.items()}}
 
 
 def one_row_of_zeros(data):

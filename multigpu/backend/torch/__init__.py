@@ -5,14 +5,16 @@
 * ``reducer``: the share-weighted gradient sum inside ``optimizer.apply``;
 * ``metrics``: global logs from summed metric states;
 * ``step``: the training, test and predict steps;
-* ``batchnorm``: BatchNorm statistics across devices.
+* ``batchnorm``: BatchNorm statistics across devices;
+* ``facts``: ``FACTS``, what the layers above need to know of this backend.
 
 Only ``group`` is imported eagerly.
 """
 
+from multigpu.backend.torch.facts import FACTS
 from multigpu.backend.torch.group import bind, join, leave
 
-__all__ = ["Comm", "Steps", "bind", "join", "leave"]
+__all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
 
 def __getattr__(name: str):

@@ -42,12 +42,13 @@ import torch
 
 from multigpu import failure
 from multigpu._warn import warn_user
+from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.torch.flat import Layout, WeightedWriter
 from multigpu.backend.torch.overlap import Bucketed, configured_bucket_bytes
 
 __all__ = ["COMPRESSION", "GradientSync", "StepSums"]
 
-COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPRESSION = {None: None, **{k: getattr(torch, v) for k, v in HALF_PRECISION.items()}}
 _HEADER = 3
 _STALE = 4  # tail[-4]: ranks whose gradients changed after their bucket was sent (overlap)
 _TAG_MOD = 251  # tag and tag**2 (< 2**16) summed over up to 256 ranks stay exact in float32

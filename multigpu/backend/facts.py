@@ -1,0 +1,48 @@
+"""What the layers above ``backend/`` need to know of a backend, declared by each backend in its own folder.
+
+The facade, the planner, the command line and the device parser read a
+:class:`Facts` (``multigpu.backend.facts_of_current()``) instead of testing the
+backend's name or importing its framework, so that a backend is one folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["HALF_PRECISION", "Facts"]
+
+# The 16-bit formats the gradient sum can send, by the name ``compression=`` takes, and the dtype's name in the
+# framework (``torch.bfloat16``, ``jax.numpy.float16``, ...).
+HALF_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _no_gpus() -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Facts:
+    """A backend's policy and hardware facts.
+
+    Attributes:
+        name: the Keras backend's name (``keras.backend.backend()``).
+        grid: local batch sizes are multiples of ``batch / grid`` and the share
+            search moves by that much at least (a backend that compiles its step
+            once per local batch size); 0 for any size.
+        scan: whether the share search opens with a scan of shares (cheap where
+            a new local batch size costs nothing).
+        compression: the names ``compression=`` takes beside ``None``.
+        gpu_count: the GPUs this process can use.
+        gpu_info: one GPU's facts by index: at least ``name``, and where the
+            framework can tell, ``total_memory`` and ``free_memory`` in bytes.
+        versions: the framework's versions for reports (``{"torch": ..., "cuda": ...}``).
+    """
+
+    name: str
+    grid: int = 0
+    scan: bool = True
+    compression: tuple[str, ...] = tuple(HALF_PRECISION)
+    gpu_count: Callable[[], int] = field(default=_no_gpus)
+    gpu_info: Callable[[int], dict] = field(default=lambda index: {"name": "GPU"})
+    versions: Callable[[], dict] = field(default=dict)

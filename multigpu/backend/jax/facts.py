@@ -1,0 +1,24 @@
+"""The JAX backend's facts: local batch sizes on a grid of 1/16 of the batch, no opening scan, the driver's GPUs.
+
+JAX compiles the step once per local batch size (about 6 s for the benchmark
+convnet on one core), so local batch sizes are multiples of 1/16 of the batch,
+each compiled once, the share search moves by that much at least, and it does
+not open with a scan.  JAX may not compute before a rank joins the run, so the
+GPUs are counted and named by the NVIDIA driver, without importing JAX.
+"""
+
+from __future__ import annotations
+
+from multigpu.backend.facts import Facts
+from multigpu.devices import driver_gpu_count, driver_gpu_name
+
+__all__ = ["FACTS"]
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    return {name: md.version(name) for name in ("jax", "jaxlib")}
+
+
+FACTS = Facts("jax", grid=16, scan=False, gpu_count=driver_gpu_count,
+              gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions)

@@ -1,0 +1,37 @@
+"""The torch backend's facts: any local batch size, a scan to open the share search, torch's CUDA devices."""
+
+from __future__ import annotations
+
+from multigpu.backend.facts import Facts
+
+__all__ = ["FACTS"]
+
+
+def _gpu_count() -> int:
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver: no GPU, as torch itself would run
+        return 0
+
+
+def _gpu_info(index: int) -> dict:
+    import torch
+
+    prop = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return {"name": prop.name, "total_memory": total, "free_memory": free,
+            "compute_capability": f"{prop.major}.{prop.minor}"}
+
+
+def _versions() -> dict:
+    import torch
+
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    if torch.cuda.is_available():
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return versions
+
+
+FACTS = Facts("torch", grid=0, scan=True, gpu_count=_gpu_count, gpu_info=_gpu_info, versions=_versions)
