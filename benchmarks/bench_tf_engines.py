@@ -139,8 +139,11 @@ def run_engine(engine: str, sizes, reps: int, timeout: float) -> dict | str:
             for p in procs:
                 p.kill()
             return f"timed out after {timeout:g} s"
-        if any(p.returncode for p in procs) or not result.exists():
-            return "failed: " + outs[0][-800:]
+        failed = [(r, p.returncode, out) for r, (p, out) in enumerate(zip(procs, outs)) if p.returncode]
+        if failed or not result.exists():
+            r, code, out = failed[0] if failed else (0, 0, outs[0])
+            lines = [line for line in out.splitlines() if line.strip() and not line.startswith(("I0000", "WARNING"))]
+            return f"failed: rank {r} exited with code {code}: " + " | ".join(lines[-3:])
         return {int(k): v for k, v in json.loads(result.read_text()).items()}
 
 

@@ -35,41 +35,53 @@ def rel(a, b):
     return float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12))
 
 
-@pytest.fixture(scope="module", params=list(BACKENDS))
-def reference(request, tmp_path_factory):
-    backend = request.param
+def plain_run(script: str, backend: str, folder, timeout: float, extra_env: dict | None = None) -> dict:
+    """``scripts/<script> OUT --plain`` on one device in ``folder``: its results."""
     if backend == "jax":
         pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
-    folder = tmp_path_factory.mktemp(f"inputs-{backend}")
-    env = {**os.environ, **BACKENDS[backend], "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    res = subprocess.run([sys.executable, str(SCRIPTS / "inputs.py"), str(folder / "plain.npz"), "--plain"],
-                         capture_output=True, check=False, text=True, timeout=150, env=env, cwd=folder)
+    env = {**os.environ, **BACKENDS[backend], "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(extra_env or {})}
+    res = subprocess.run([sys.executable, str(SCRIPTS / script), str(folder / "plain.npz"), "--plain"],
+                         capture_output=True, check=False, text=True, timeout=timeout, env=env, cwd=folder)
     assert res.returncode == 0, res.stdout + res.stderr
-    return backend, load(folder / "plain.npz")
+    return load(folder / "plain.npz")
 
 
-@pytest.mark.parametrize("ratios", ["3,1", "1,2,5"])
-def test_loaders_with_workers_reproduce_one_device(runner, reference, ratios):
-    backend, plain = reference
+def assert_reproduces(runner, script: str, backend: str, plain: dict, ratios: str, kinds, timeout: float,
+                      extra_env: dict | None = None) -> None:
+    """``scripts/<script>`` on CPU devices at ``ratios`` equals the one-device run ``plain`` (weights and History
+    of every kind, evaluation, predictions) to 1e-5, every rank ends alike, and nothing is left behind."""
     n = len(ratios.split(","))
     out = runner.tmp_path / "par.npz"
     res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
-                     str(SCRIPTS / "inputs.py"), str(out), extra_env=BACKENDS[backend], timeout=200)
+                     str(SCRIPTS / script), str(out), extra_env={**BACKENDS[backend], **(extra_env or {})},
+                     timeout=timeout)
     assert res.returncode == 0, res.stdout
     got = load(out)
-    for kind in KINDS:
+    for kind in kinds:
         assert rel(plain[kind], got[kind]) < 1e-5, kind
         for key, values in plain[f"{kind}_history"].items():
-            np.testing.assert_allclose(got[f"{kind}_history"][key], values, rtol=1e-5, err_msg=kind)
+            np.testing.assert_allclose(got[f"{kind}_history"][key], values, rtol=1e-5, err_msg=f"{kind} {key}")
     for key, value in plain["evaluate"].items():
         assert got["evaluate"][key] == pytest.approx(value, rel=1e-5)
     np.testing.assert_allclose(got["predict"], plain["predict"], rtol=1e-5, atol=1e-6)
     for r in range(1, n):  # every rank ends with the same weights, History and predictions
         other = load(f"{out}.rank{r}.npz")
-        for key in (*KINDS, "predict"):
+        for key in (*kinds, "predict"):
             np.testing.assert_array_equal(other[key], got[key])
     assert runner.leftovers() == []
     assert not _input_files()
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def reference(request, tmp_path_factory):
+    backend = request.param
+    return backend, plain_run("inputs.py", backend, tmp_path_factory.mktemp(f"inputs-{backend}"), 150)
+
+
+@pytest.mark.parametrize("ratios", ["3,1", "1,2,5"])
+def test_loaders_with_workers_reproduce_one_device(runner, reference, ratios):
+    backend, plain = reference
+    assert_reproduces(runner, "inputs.py", backend, plain, ratios, KINDS, 200)
 
 
 def _input_files() -> list[str]:

@@ -133,6 +133,6 @@ def test_every_backend_declares_its_facts_in_its_own_folder():
     for name in SUPPORTED:
         facts_file = ROOT / "backend" / name / "facts.py"
         assert not _framework_imports(facts_file, top_level_only=True), f"{name}'s facts import {name} eagerly"
-        namespace: dict = {}
+        namespace: dict = {}  # run the file alone: importing it as a module would run its backend's __init__
         exec(compile(facts_file.read_text(), str(facts_file), "exec"), namespace)
         assert isinstance(namespace["FACTS"], Facts) and namespace["FACTS"].name == name

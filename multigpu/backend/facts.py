@@ -1,7 +1,7 @@
 """What the layers above ``backend/`` need to know of a backend, declared by each backend in its own folder.
 
 The facade, the planner, the command line and the device parser read a
-:class:`Facts` (``multigpu.backend.facts_of_current()``) instead of testing the
+:class:`Facts` (``multigpu.backend.facts()``) instead of testing the
 backend's name or importing its framework, so that a backend is one folder.
 """
 

@@ -233,7 +233,8 @@ class StreamSource:
     that was taken but not trained on (Keras takes one to build the model) is
     given again at the next pass.  A re-iterable input (a DataLoader) is read
     again at each pass.  With several machines, each reads its own copy, and
-    the ranks check at every batch that all of them still have one.
+    the ranks check at every batch that all of them still have one, and the
+    same one (by its :func:`fingerprint`).
 
     Args:
         source: the generator or iterable.

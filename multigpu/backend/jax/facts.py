@@ -14,6 +14,7 @@ from multigpu.devices import driver_gpu_count, driver_gpu_name
 
 __all__ = ["FACTS"]
 
+
 def _versions() -> dict:
     import importlib.metadata as md
 
