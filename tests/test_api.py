@@ -50,13 +50,13 @@ def test_bad_input_gives_clear_errors_before_any_process_starts(runner):
     assert runner.leftovers() == []
 
 
-def test_backend_other_than_torch_is_refused(monkeypatch):
+def test_a_backend_multigpu_does_not_run_on_is_refused(monkeypatch):
     import keras
 
     from multigpu import api
 
-    monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
-    with pytest.raises(RuntimeError, match=r"Set KERAS_BACKEND=torch.*Received: backend='tensorflow'"):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "openvino")
+    with pytest.raises(RuntimeError, match=r"torch, jax or tensorflow backend.*Received: backend='openvino'"):
         api.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), ["cpu:0"])
 
 

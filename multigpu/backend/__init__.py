@@ -26,7 +26,7 @@ from multigpu.backend.facts import Facts
 
 __all__ = ["SUPPORTED", "facts", "get", "gpu_count", "name"]
 
-SUPPORTED = ("torch", "jax")
+SUPPORTED = ("torch", "jax", "tensorflow")
 
 
 def name() -> str:
@@ -43,8 +43,8 @@ def check() -> str:
     current = name()
     if current not in SUPPORTED:
         raise RuntimeError(
-            f"multigpu runs on Keras's {' or '.join(SUPPORTED)} backend. Set KERAS_BACKEND={SUPPORTED[0]} (or "
-            f"{SUPPORTED[1]}) before Keras is imported (e.g. `KERAS_BACKEND={SUPPORTED[0]} python train.py`). "
+            f"multigpu runs on Keras's {', '.join(SUPPORTED[:-1])} or {SUPPORTED[-1]} backend. Set KERAS_BACKEND to "
+            f"one of them before Keras is imported (e.g. `KERAS_BACKEND={SUPPORTED[0]} python train.py`). "
             f"Received: backend={current!r}"
         )
     return current

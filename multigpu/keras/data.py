@@ -111,8 +111,10 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
         # batches one at a time (each is a step of its own: plan, collective, timing), so they come unstacked.
         return self._lazy(convert=True)
 
-    def get_tf_dataset(self):  # pragma: no cover - multigpu runs on torch and JAX
-        raise NotImplementedError("multigpu does not feed the TensorFlow backend")
+    def get_tf_dataset(self):
+        from multigpu.backend.tensorflow.feeding import dataset
+
+        return dataset(lambda: self._iterate(convert=False))
 
     @property
     def num_batches(self):

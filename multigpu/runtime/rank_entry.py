@@ -18,7 +18,8 @@ turning a finished rank into a failed one.
 
 This module imports neither torch nor Keras, so that the program can choose
 its Keras backend first.  On JAX the rank joins the run before the program
-runs (:mod:`multigpu.backend.jax.group` says why).
+runs, and on TensorFlow it binds its device then (:mod:`multigpu.backend.jax.group` and
+:mod:`multigpu.backend.tensorflow.group` say why).
 """
 
 from __future__ import annotations
@@ -118,9 +119,11 @@ def exit_code(code: object) -> int:
 
 
 def _join_early() -> None:
-    """On JAX, joins the run before the program runs: JAX allows it only before its first computation."""
+    """On JAX and TensorFlow, joins the run before the program runs: JAX allows it only before its first
+    computation, and TensorFlow takes its devices and threads only then."""
     torchrun = all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-    if (os.environ.get("MULTIGPU_RANK") is not None or torchrun) and os.environ.get("KERAS_BACKEND") == "jax":
+    early = os.environ.get("KERAS_BACKEND") in ("jax", "tensorflow")
+    if (os.environ.get("MULTIGPU_RANK") is not None or torchrun) and early:
         from multigpu.runtime import start
 
         start()

@@ -50,13 +50,18 @@ class Comm:
         runtime: the run.
         transport: ``"shm"``, ``"gloo"`` or ``"auto"`` (shared memory for CPU
             ranks on one x86-64 machine, else the process group's).
+        host: every vector lives in host memory, whatever the devices (the
+            TensorFlow backend's sums): shared memory serves GPU ranks of one
+            machine too.
     """
 
-    def __init__(self, runtime, transport: str = "auto") -> None:
+    def __init__(self, runtime, transport: str = "auto", host: bool = False) -> None:
         self.runtime = runtime
         self.rank = runtime.rank
         self.world_size = runtime.world_size
-        self.device = torch.device(f"cuda:{runtime.device.index}") if runtime.device.is_cuda else torch.device("cpu")
+        self.host = host
+        cuda = runtime.device.is_cuda and not host
+        self.device = torch.device(f"cuda:{runtime.device.index}") if cuda else torch.device("cpu")
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._shm: _SharedMemory | None = None
         self.transport = self._choose(transport)
@@ -66,13 +71,14 @@ class Comm:
     def _choose(self, transport: str) -> str:
         if transport not in ("auto", "shm", "gloo"):
             raise ValueError(f"`transport` must be 'auto', 'shm' or 'gloo'. Received: transport={transport!r}")
-        cpu = all(not d.is_cuda for d in self.runtime.devices)
+        cpu = self.host or all(not d.is_cuda for d in self.runtime.devices)
         x86 = platform.machine().lower() in ("x86_64", "amd64")
         usable = cpu and x86 and self.runtime.same_host and os.path.isdir("/dev/shm")
         if transport == "shm" and not usable:
             raise ValueError(
-                "transport='shm' needs CPU devices on one x86-64 machine with /dev/shm. Received devices "
-                f"{[d.spec for d in self.runtime.devices]} on {platform.machine()}; use transport='gloo'."
+                f"transport='shm' needs {'' if self.host else 'CPU '}devices on one x86-64 machine with "
+                f"/dev/shm. Received devices {[d.spec for d in self.runtime.devices]} on {platform.machine()}; "
+                "use transport='gloo'."
             )
         if transport == "auto":
             return "shm" if usable else "gloo"

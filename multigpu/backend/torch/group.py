@@ -42,14 +42,21 @@ def _store(runtime, fd: str | None):
     return dist.TCPStore(*args, wait_for_workers=False, **extra)
 
 
-def join(runtime) -> None:
-    """Joins the run's process group (and, under torchrun, learns every rank's device)."""
-    kwargs = {"backend": process_group_backend(runtime), "rank": runtime.rank, "world_size": runtime.world_size,
+def join(runtime, process_group: str | None = None) -> None:
+    """Joins the run's process group (and, under torchrun, learns every rank's device).
+
+    Args:
+        runtime: the run.
+        process_group: ``"gloo"`` or ``"nccl"``; by default NCCL when every device is a GPU, else gloo (the
+            TensorFlow backend, which sums on the host, asks for gloo).
+    """
+    backend = process_group or process_group_backend(runtime)
+    kwargs = {"backend": backend, "rank": runtime.rank, "world_size": runtime.world_size,
               "timeout": datetime.timedelta(seconds=runtime.timeout)}
     if runtime.mode == "launched":  # rank 0 serves the store on the socket the supervisor opened
         fd = os.environ.pop(env.STORE_FD, None)
         kwargs["store"] = _store(runtime, fd)
-    if runtime.device.is_cuda:
+    if runtime.device.is_cuda and backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{runtime.device.index}")
     try:
         dist.init_process_group(**kwargs)

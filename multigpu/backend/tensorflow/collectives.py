@@ -1,0 +1,109 @@
+"""Collectives of a run on TensorFlow: the torch backend's engine, on NumPy arrays.  Every error is fatal.
+
+A TensorFlow step hands its vector over as a NumPy array (a GPU's values come
+to the host once); it is copied into the engine's buffer (shared memory
+between ranks of one machine, else a gloo all-reduce) and the sum comes back
+as NumPy.  The rare collectives (broadcast, gathering objects, checks) are
+the engine's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from multigpu.backend.torch.collectives import Comm as _Engine
+
+__all__ = ["Comm"]
+
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Comm:
+    """The collectives of one parallel run (TensorFlow backend).
+
+    Args:
+        runtime: the run.
+        transport: ``"shm"``, ``"gloo"`` or ``"auto"`` (shared memory between
+            ranks of one x86-64 machine, else gloo).
+    """
+
+    def __init__(self, runtime, transport: str = "auto") -> None:
+        self.engine = _Engine(runtime, transport, host=True)
+        self.runtime = runtime
+        self.rank = runtime.rank
+        self.world_size = runtime.world_size
+        self.transport = self.engine.transport
+        self.fatal = self.engine.fatal
+
+    def reduce(self, vector, what: str = "summing gradients") -> np.ndarray:
+        """The sum over ranks of a 1-D float32, float16 or bfloat16 array, as NumPy of the same dtype (valid
+        until the next-but-one call)."""
+        vector = np.asarray(vector).reshape(-1)
+        dtype = _TORCH.get(vector.dtype.name)
+        if dtype is None:
+            raise TypeError(f"multigpu sums float32, float16 or bfloat16 vectors. Received: {vector.dtype}")
+        buf = self.engine.buffer(vector.size, dtype)
+        if dtype == torch.bfloat16:  # NumPy has no bfloat16 of torch's: the bits travel as int16
+            buf.view(torch.int16).numpy()[:] = vector.view(np.int16)
+        else:
+            buf.numpy()[:] = vector
+        summed = self.engine.reduce(buf, what=what, describe=lambda: f"{vector.size} {vector.dtype} values")
+        if dtype == torch.bfloat16:
+            return summed.view(torch.int16).numpy().view(vector.dtype)
+        return summed.numpy()
+
+    def concatenate(self, arrays: Sequence[np.ndarray], what: str = "gathering sparse gradients") -> list:
+        """Every rank's arrays joined along their first axis, in rank order (each array on its own).
+
+        Two sums: the ranks' row counts, then one vector where each rank
+        writes its rows at its place and zeros elsewhere, so the sum is the
+        concatenation, bit for bit.  Values travel as float32: integers
+        (row indices) up to 2**24 are exact.
+
+        Args:
+            arrays: this rank's arrays; the same number, trailing shapes and dtypes on every rank.
+            what: what is being gathered, for error messages.
+        """
+        arrays = [np.asarray(a) for a in arrays]
+        counts = np.zeros((self.world_size, len(arrays)), np.float32)
+        counts[self.rank] = [a.shape[0] for a in arrays]
+        counts = self.reduce(counts.reshape(-1), what).reshape(self.world_size, len(arrays)).astype(np.int64)
+        widths = [int(np.prod(a.shape[1:])) for a in arrays]
+        totals = [int(counts[:, i].sum()) * w for i, w in enumerate(widths)]
+        vector = np.zeros(sum(totals), np.float32)
+        start = 0
+        for i, (a, w) in enumerate(zip(arrays, widths)):
+            mine = start + int(counts[: self.rank, i].sum()) * w
+            vector[mine : mine + a.size] = a.reshape(-1)
+            start += totals[i]
+        summed = self.reduce(vector, what)
+        out, start = [], 0
+        for a, total in zip(arrays, totals):
+            out.append(summed[start : start + total].reshape(-1, *a.shape[1:]).astype(a.dtype))
+            start += total
+        return out
+
+    def sum_floats(self, values: Sequence[float], what: str = "a collective") -> list[float]:
+        """Sums a short list of floats over ranks (float64)."""
+        return self.engine.sum_floats(values, what)
+
+    def broadcast(self, arrays: Sequence, src: int = 0, what: str = "broadcasting the initial weights") -> list:
+        """Rank ``src``'s arrays on every rank (NumPy arrays in, NumPy arrays out)."""
+        tensors = [torch.from_numpy(np.array(a, copy=True).reshape(np.shape(a))) for a in arrays]
+        self.engine.broadcast(tensors, src, what)
+        return [t.numpy() for t in tensors]
+
+    def gather_objects(self, obj, what: str = "gathering results") -> list:
+        """Every rank's ``obj``, in rank order."""
+        return self.engine.gather_objects(obj, what)
+
+    def check_same(self, value: int, what: str) -> None:
+        """Raises the same error on every rank when the ranks disagree on ``value`` (data lengths)."""
+        self.engine.check_same(value, what)
+
+    def shared_seed(self) -> int:
+        """A random number rank 0 draws, the same on every rank."""
+        return self.engine.shared_seed()

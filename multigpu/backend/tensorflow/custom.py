@@ -1,0 +1,170 @@
+"""A ``train_step`` or ``test_step`` of the model's own on TensorFlow (``tf.GradientTape`` and ``optimizer.apply``).
+
+The model's step runs as Keras runs it, in a ``tf.function`` (eagerly with
+``run_eagerly``; without XLA, since the sum runs on the host).  While it
+runs, every optimizer of the model (``model.optimizer`` and any other among
+its attributes: a GAN's two) applies, in ``optimizer.apply`` (which
+``apply_gradients`` calls), the gradients times ``b_r / B`` summed over ranks:
+one sum per call, a ``tf.numpy_function`` inside the step's graph, ordered
+after the step's earlier updates as TensorFlow orders stateful operations.
+The optimizers are given back their own ``apply`` after each call.  The
+step's logs become global in one more sum: metrics from summed states, other
+scalars as rows-weighted means; the step timings travel in it (training only).
+
+A rank with no rows runs the step on its last batch (before its first rows,
+on one row of zeros) with gradient weight 0, so that it makes the same
+optimizer calls and logs the same names as the others; it sends zeros and
+puts its non-trainable and metric states back as they were.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from multigpu._keras.model_parts import optimizers_of
+from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
+from multigpu.balancing.timing import StepRecord
+
+__all__ = ["CustomSteps"]
+
+
+class CustomSteps:
+    """The model's own ``train_step``/``test_step``, with sums over ranks.
+
+    Args:
+        steps: the model's :class:`~multigpu.backend.tensorflow.step.TensorFlowSteps` (its model,
+            collectives, timing, balancer and compression are read from it).
+    """
+
+    def __init__(self, steps) -> None:
+        self.steps = steps
+        self.model = steps.model
+        self.comm = steps.comm
+        self.timing = steps.timing
+        self.balancer = steps.balancer
+        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
+        self._weight = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="multigpu_gradient_weight")
+        self._train = None
+        self._test = None
+        self._last_batch = None  # the last batch with rows, for the steps where this rank has none
+        self._last_test_batch = None
+
+    def _compiled(self, method):
+        model = self.model
+        if model.run_eagerly:
+            return lambda data: method(model, data)
+        return tf.function(lambda data: method(model, data))
+
+    # ---------------------------------------------------------- training
+    def train(self, data, plan) -> tuple[dict, dict]:
+        """One training step; returns its logs and the global results."""
+        idle = plan.local == 0
+        if not idle:
+            self._last_batch = data
+        elif self._last_batch is None:
+            self._last_batch = one_row_of_zeros(data)
+        if self._train is None:
+            self._train = self._compiled(self.steps.user_train_step)
+        kept = self._snapshot() if idle else None
+        self._weight.assign(0.0 if idle else plan.weight)
+        bn = self.steps.global_batchnorm
+        if bn is not None:
+            bn.begin_step(0.0 if idle else plan.weight, contributes=not idle)
+        self.timing.begin()
+        with self._summed_optimizers():
+            logs = self._train(self._last_batch if idle else data)
+        if kept is not None:
+            self._restore(kept, metrics_only=bn is not None)  # the moving statistics follow the global batch
+        logs, fresh = self._global_logs(logs, 0 if idle else plan.local)
+        self.timing.end(plan.local)
+        return logs, fresh
+
+    def test(self, data, rows: int) -> tuple[dict, dict]:
+        """One test step; returns its logs and the global results."""
+        if rows > 0:
+            self._last_test_batch = data
+        elif self._last_test_batch is None:
+            self._last_test_batch = one_row_of_zeros(data)
+        if self._test is None:
+            self._test = self._compiled(self.steps.user_test_step)
+        kept = self._snapshot() if rows == 0 else None
+        logs = self._test(data if rows > 0 else self._last_test_batch)
+        if kept is not None:
+            self._restore(kept)
+        return self._global_logs(logs, rows, timing=False)
+
+    def _snapshot(self) -> list:
+        return [(v, v.numpy()) for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]]
+
+    def _restore(self, kept: list, metrics_only: bool = False) -> None:
+        metric_ids = {id(v) for v in self.model.metrics_variables}
+        for v, value in kept:
+            if not metrics_only or id(v) in metric_ids:
+                v.assign(value)
+
+    def _sum(self, vector: np.ndarray) -> np.ndarray:
+        with self.timing.waiting():
+            return self.comm.reduce(vector, "summing gradients").copy()
+
+    @contextmanager
+    def _summed_optimizers(self):
+        """Within the block, every optimizer's ``apply`` applies the weighted gradients summed over ranks."""
+        half = self.steps.half
+        weight = self._weight
+        patched = []
+        for optimizer in optimizers_of(self.model):
+            original = optimizer.apply
+
+            def summed_apply(grads, trainable_variables=None, _original=original, _optimizer=optimizer):
+                grads = list(grads)
+                variables = list(trainable_variables) if trainable_variables is not None else None
+                like = variables if variables is not None else list(_optimizer._trainable_variables)
+                dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
+                         for g, v in zip(grads, like)]
+                vector = tf.concat([tf.zeros(0, tf.float32), *(g * weight for g in flat(dense))], 0)
+                # no rows here: zeros, whatever the step computed on its stand-in batch (NaN included)
+                vector = tf.where(weight > 0, vector, tf.zeros_like(vector))
+                if half is not None:
+                    vector = tf.cast(vector, half)
+                summed = tf.numpy_function(self._sum, [vector], vector.dtype, stateful=True)
+                summed = tf.cast(tf.reshape(summed, [-1]), tf.float32)
+                return _original(split(summed, dense), variables)
+
+            object.__setattr__(optimizer, "apply", summed_apply)
+            patched.append(optimizer)
+        try:
+            yield
+        finally:
+            for optimizer in patched:
+                object.__delattr__(optimizer, "apply")
+
+    # ---------------------------------------------------------- logs
+    def _global_logs(self, logs: dict, rows: int, timing: bool = True) -> tuple[dict, dict]:
+        """The step's logs over every rank, and every global metric result."""
+        refs = list(self.model.metrics_variables)
+        names = set(self.keras_metrics_result())
+        logs = dict(logs)
+        extra = [k for k in logs if k not in names]
+        for k in extra:
+            if np.size(logs[k]) != 1:
+                raise ValueError(f"multigpu: the step logged {k!r} with shape {tuple(np.shape(logs[k]))}; logs must "
+                                 "be metrics (in model.metrics) or scalars, so that every rank can show the global "
+                                 "value.")
+        n_states = sum(int(np.prod(v.shape)) for v in refs)
+        timings = self.timing.vector() if timing else []
+        tail = np.asarray([*(float(np.reshape(logs[k], ())) * rows for k in extra), float(rows), *timings],
+                          np.float32)
+        states = self.steps._states()
+        summed = self.comm.reduce(np.concatenate([states, tail]), "summing the step's logs").copy()
+        out = dict(metric_results(self.model, tf.constant(summed), refs, 0))
+        total = float(summed[n_states + len(extra)])
+        for i, k in enumerate(extra):
+            out[k] = float(summed[n_states + i]) / total if total else 0.0
+        if timing:
+            self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
+                                                        self.comm.world_size, complete=True))
+        return {k: out[k] for k in logs if k in out}, out

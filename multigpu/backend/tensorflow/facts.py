@@ -1,0 +1,33 @@
+"""The TensorFlow backend's facts: local batch sizes on a grid of 1/16 of the batch, no opening scan, the driver's GPUs.
+
+multigpu traces the TensorFlow step once per local batch size (Keras weighs
+each output's loss by the batch size the trace knows, and XLA compiles per
+shape), so as on JAX local batch sizes are multiples of 1/16 of the batch,
+the share search moves by that much at least, and it does not open with a
+scan.  TensorFlow may not be configured (visible GPUs,
+threads) after its first computation, so the GPUs are counted and named by
+the NVIDIA driver, without importing TensorFlow.
+"""
+
+from __future__ import annotations
+
+from multigpu.backend.facts import Facts
+from multigpu.devices import driver_gpu_count, driver_gpu_name
+
+__all__ = ["FACTS"]
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "torch"):  # torch: the engine that sums
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+FACTS = Facts("tensorflow", grid=16, scan=False, gpu_count=driver_gpu_count,
+              gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions)

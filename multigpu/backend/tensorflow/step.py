@@ -1,0 +1,389 @@
+"""The training, test and predict functions of a parallel model on TensorFlow.
+
+Keras's TensorFlow trainer calls ``model.train_function(iterator)`` once per
+``steps_per_execution`` batches.  multigpu gives the model its own
+``make_train_function`` (and test, predict), so Keras's ``fit`` loop,
+callbacks and History run unchanged.  One global batch, followed from the
+data to the weights:
+
+1. the data path cut this rank's rows and queued the batch's plan
+   (:mod:`multigpu.keras.data`, through :mod:`.feeding`); the function takes
+   the plan back;
+2. a ``tf.function`` (``jit_compile`` as the model has it, traced once per
+   local batch size: :meth:`TensorFlowSteps._function` says why) computes, on this
+   rank's rows, what Keras's TensorFlow ``train_step`` computes (loss, loss
+   scaling, gradients, metric updates) and returns the gradients times
+   ``b_r / B`` as one vector beside the metric states and the step timings
+   (the weight is an argument: a new share does not retrace);
+3. one sum over ranks (:mod:`.collectives`);
+4. a ``tf.function`` applies the summed gradient with the model's
+   ``optimizer.apply`` (clipping, accumulation, EMA, loss scaling as Keras
+   does them) and reads the global logs from the summed metric states: the
+   same update on every rank, equal to one device's on the whole batch.
+
+A rank with no rows in a step sends zeros and its unchanged metric states.
+With ``compression`` the weighted gradients go in 16 bits, in a sum of their
+own beside the float32 rest.  A ``train_step`` or ``test_step`` of the
+model's own runs as :mod:`.custom` says.  With ``sync_batchnorm=True`` every
+BatchNormalization layer normalises with the statistics of the global batch
+(:mod:`.batchnorm`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from multigpu._keras import compat as _compat
+from multigpu._keras.model_parts import batch_rows, batchnorm_statistics
+from multigpu.backend.facts import HALF_PRECISION
+from multigpu.backend.steps import StepsCore
+from multigpu.backend.tensorflow.custom import CustomSteps
+from multigpu.backend.tensorflow.tensors import flat, metric_results, no_optionals, one_row_of_zeros, split
+from multigpu.balancing.timing import StepRecord
+
+__all__ = ["TensorFlowSteps"]
+
+
+class TensorFlowSteps(StepsCore):
+    """The functions of one parallel model on TensorFlow (see the module docstring and
+    :mod:`multigpu.backend.steps`).
+
+    Args:
+        parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
+    """
+
+    def __init__(self, parallel) -> None:
+        super().__init__(parallel)
+        compression = parallel.options.compression
+        self.half = None if compression is None else getattr(tf, HALF_PRECISION[compression])
+        self.global_batchnorm = None
+        if parallel.options.sync_batchnorm:
+            from multigpu.backend.tensorflow.batchnorm import GlobalBatchNorm
+
+            self.global_batchnorm = GlobalBatchNorm(self.model, self.comm, self.timing)
+        self.custom = CustomSteps(self)
+        self.keras_reset_metrics = type(self.model).reset_metrics.__get__(self.model)
+        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
+        self._fresh: dict | None = None  # global results of the last step, while no metric changed
+        self._train = self._test = self._predict = None
+        self._applied = False  # the update function has been traced (by the first training step)
+
+    def methods(self) -> dict:
+        """What the model instance gets."""
+        return {"make_train_function": self.make_train_function, "make_test_function": self.make_test_function,
+                "make_predict_function": self.make_predict_function,
+                "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
+
+    # ---------------------------------------------------------- variables
+    def _broadcast_variables(self, variables, what: str) -> None:
+        for v, value in zip(variables, self.comm.broadcast([np.asarray(v.numpy()) for v in variables], what=what)):
+            v.assign(value)
+
+    def _offset_seeds(self, variables, offset: int) -> None:
+        for v in variables:
+            value = np.asarray(v.numpy()).copy()
+            value[0] = value[0] + np.asarray(offset).astype(value.dtype)
+            v.assign(value)
+
+    def _function(self, fn, jit: bool | None = None):
+        """``fn`` as a ``tf.function`` traced once per local batch size (eager with ``run_eagerly``).
+
+        Keras's own step is traced again with an unknown batch size once it
+        sees a second one; multigpu keeps every trace's batch size known,
+        because Keras weighs each output's loss by the static batch size
+        (``CompileLoss``), and XLA compiles per shape anyway.  The local batch
+        sizes sit on a grid of 1/16 of the batch (:mod:`.facts`), so there are
+        few traces.
+        """
+        if self.model.run_eagerly:
+            return fn
+        jit = bool(self.model.jit_compile) if jit is None else jit
+        if self.global_batchnorm is not None:
+            jit = False  # the BatchNorm sums run on the host, inside the step
+        return tf.function(fn, jit_compile=jit)
+
+    def _batches(self, one, iterator) -> list:
+        """The outputs of ``one(batch)`` for up to ``steps_per_execution`` batches of ``iterator``; each batch is
+        a step of its own (its plan, sum and timing).  Raises StopIteration when it has none."""
+        outputs = [one(no_optionals(next(iterator)))]
+        for _ in range(self.model.steps_per_execution - 1):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+            outputs.append(one(no_optionals(data)))
+        return outputs
+
+    # ---------------------------------------------------------- training
+    def make_train_function(self, force: bool = False):
+        self._initialize()
+        if self._train is None or force:
+            self._build_train()
+        self.model.train_function = self._train_function
+        return self._train_function
+
+    def _build_train(self) -> None:
+        model = self.model
+        trainable = list(model.trainable_variables)
+        half = self.half
+        training_arg = _compat.call_has_training_arg(model)
+        self._sparse: dict[int, np.dtype] | None = None  # variables with IndexedSlices gradients: index dtype
+
+        def local(x, y, sample_weight, weight):
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True) if training_arg else model(x)
+                loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+                tracker = _compat.loss_tracker(model)
+                if tracker is not None:
+                    tracker.update_state(loss, sample_weight=tf.shape(keras.tree.flatten(x)[0])[0])
+                if model.optimizer is not None:
+                    loss = model.optimizer.scale_loss(loss)
+                loss = loss * tf.cast(weight, loss.dtype)  # b_r / B: what global BatchNorm sums back, too
+            grads = tape.gradient(loss, trainable) if trainable else []
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            self._sparse = {i: g.indices.dtype.as_numpy_dtype for i, g in enumerate(grads)
+                            if isinstance(g, tf.IndexedSlices)}
+            dense = [tf.zeros_like(v) if g is None else g for i, (g, v) in enumerate(zip(grads, trainable))
+                     if i not in self._sparse]
+            vector = tf.concat([tf.zeros(0, tf.float32), *flat(dense)], 0)
+            states = tf.concat([tf.zeros(0, tf.float32), *flat([v.value for v in model.metrics_variables])], 0)
+            slices = tuple(t for i in self._sparse for t in (tf.cast(grads[i].values, tf.float32),
+                                                              grads[i].indices))
+            return (vector if half is None else tf.cast(vector, half)), states, slices
+
+        def apply(summed, slices):
+            if trainable:
+                sparse = self._sparse or {}
+                dense = iter(split(summed, [v for i, v in enumerate(trainable) if i not in sparse]))
+                pairs = iter(zip(slices[::2], slices[1::2]))
+                grads = []
+                for i, v in enumerate(trainable):
+                    if i in sparse:
+                        values, indices = next(pairs)
+                        grads.append(tf.IndexedSlices(tf.cast(values, v.dtype), indices, tf.shape(v)))
+                    else:
+                        grads.append(next(dense))
+                model.optimizer.apply(grads, trainable)
+            n_dense = sum(int(np.prod(v.shape)) for i, v in enumerate(trainable) if i not in (self._sparse or {}))
+            return metric_results(model, summed, list(model.metrics_variables), n_dense)
+
+        self._local = self._function(local)
+        self._apply = self._function(apply)
+        self._applied = False
+        self._train = True
+
+    def _train_function(self, iterator):
+        return self._batches(self._train_batch, iterator)[-1]
+
+    def _train_batch(self, data) -> dict:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        plan = self.balancer.planner.take(batch_rows(x))
+        if not self.balancer.calibrated:
+            self._calibrate(lambda: self._solo_rate(x, y, sample_weight, plan.local))
+        self._fresh = None
+        if self.user_train_step is not None:
+            logs, self._fresh = self.custom.train(data, plan)
+            return logs
+        traced = not self._applied  # the first step traces every function: not a measurement of the shares
+        if plan.local == 0 and self._sparse is None:
+            self._learn_gradients(x, y, sample_weight)
+        self.timing.begin()
+        tail = np.asarray([float(plan.local), *self.timing.vector()], dtype=np.float32)
+        if self.global_batchnorm is not None:
+            self.global_batchnorm.begin_step(1.0)  # the loss carries the weight
+        if plan.local > 0:
+            grads, states, slices = self._local(x, y, sample_weight, tf.constant(plan.weight, tf.float32))
+            grads, states, slices = grads.numpy(), states.numpy(), [t.numpy() for t in slices]
+        else:
+            if self.global_batchnorm is not None:
+                self._exchange_idle(x, y, sample_weight)
+            grads, states, slices = self._idle_parts()
+        rest = np.concatenate([states, tail])
+        with self.timing.waiting():
+            if self.half is None:
+                summed = self.comm.reduce(np.concatenate([grads, rest]), "summing gradients").copy()
+            else:
+                grads = self.comm.reduce(grads, "summing gradients").astype(np.float32)
+                summed = np.concatenate([grads, self.comm.reduce(rest, "summing the step's metrics")])
+            if slices:  # IndexedSlices (Embedding): every rank's rows, in order, as one device has them
+                slices = self.comm.concatenate(slices)
+        logs = self._apply(tf.constant(summed), tuple(slices))
+        self._applied = True
+        self._record(summed[grads.size + states.size + 1 :])
+        self.timing.end(plan.local)
+        if traced:
+            self.timing.discard()
+        return logs
+
+    def _idle_parts(self) -> tuple[np.ndarray, np.ndarray, list]:
+        """What a rank with no rows sends: zero gradients, its metric states, no sparse rows."""
+        trainable = list(self.model.trainable_variables)
+        n = sum(int(np.prod(v.shape)) for i, v in enumerate(trainable) if i not in self._sparse)
+        slices = []
+        for i, dtype in self._sparse.items():
+            slices += [np.zeros((0, *trainable[i].shape[1:]), np.float32), np.zeros(0, dtype)]
+        grads = np.zeros(n, np.float32 if self.half is None else self.half.as_numpy_dtype)
+        return grads, self._states(), slices
+
+    def _exchange_idle(self, x, y, sample_weight) -> None:
+        """No rows here, but the global BatchNorm sums must run: the step's own function on a stand-in row of
+        zeros that adds nothing to them (weight 0; TensorFlow's Conv2D mis-shapes an empty batch), its metric
+        updates undone.  The moving statistics follow the global batch, as on the other ranks."""
+        kept = [(v, v.numpy()) for v in self.model.metrics_variables]
+        self.global_batchnorm.begin_step(1.0, contributes=False)
+        x, y, sample_weight = (one_row_of_zeros(part) for part in (x, y, sample_weight))
+        self._local(x, y, sample_weight, tf.constant(0.0, tf.float32))
+        for v, value in kept:
+            v.assign(value)
+
+    def _learn_gradients(self, x, y, sample_weight) -> None:
+        """Which gradients are sparse, for a rank whose first step has no rows: the step on one row of zeros,
+        its effects on the model's states undone."""
+        kept = [(v, v.numpy()) for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]]
+        x, y, sample_weight = (one_row_of_zeros(part) for part in (x, y, sample_weight))
+        with self.global_batchnorm.alone() if self.global_batchnorm is not None else nullcontext():
+            self._local(x, y, sample_weight, tf.constant(0.0, tf.float32))
+        for v, value in kept:
+            v.assign(value)
+
+    def _record(self, timing) -> None:
+        self.balancer.record(StepRecord.from_vector([float(v) for v in timing], self.comm.world_size, complete=True))
+
+    def _solo_rate(self, x, y, sample_weight, rows: int, *, min_steps: int = 2, min_seconds: float = 1.0,
+                   max_steps: int = 30) -> tuple[float, float]:
+        """Samples/s of this rank's share of the step alone (traced first, untimed).
+
+        It times the step's own local function, then puts back the metric and
+        non-trainable states (BatchNorm statistics, seeds) it moved.
+        """
+        if rows == 0 or self.user_train_step is not None:
+            return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
+        if self._train is None:
+            self._build_train()
+        kept = [(v, v.numpy()) for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]]
+        weight = tf.constant(1.0, tf.float32)
+        began = time.perf_counter()
+        timed: list[float] = []
+        alone = self.global_batchnorm.alone() if self.global_batchnorm is not None else nullcontext()
+        with alone:
+            self._local(x, y, sample_weight, weight)[1].numpy()
+            while True:
+                t0 = time.perf_counter()
+                self._local(x, y, sample_weight, weight)[1].numpy()
+                timed.append(time.perf_counter() - t0)
+                if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
+                    break
+        for v, value in kept:
+            v.assign(value)
+        return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
+
+    # ---------------------------------------------------------- evaluation
+    def make_test_function(self, force: bool = False):
+        self._initialize()
+        if self._test is None or force:
+            self._build_test()
+        self.model.test_function = self._test_function
+        return self._test_function
+
+    def _build_test(self) -> None:
+        model = self.model
+        training_arg = _compat.call_has_training_arg(model)
+
+        def local(x, y, sample_weight):
+            y_pred = model(x, training=False) if training_arg else model(x)
+            loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=False)
+            tracker = _compat.loss_tracker(model)
+            if tracker is not None:
+                tracker.update_state(loss, sample_weight=tf.shape(keras.tree.flatten(x)[0])[0])
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return tf.concat([tf.zeros(0, tf.float32), *flat([v.value for v in model.metrics_variables])], 0)
+
+        self._test_local = self._function(local)
+        self._test_results = self._function(
+            lambda summed: metric_results(model, summed, list(model.metrics_variables), 0), jit=False)
+        self._test = True
+
+    def _test_function(self, iterator):
+        return self._batches(self._test_batch, iterator)[-1]
+
+    def _test_batch(self, data) -> dict:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rows = batch_rows(x)
+        self._fresh = None
+        if self.user_test_step is not None:
+            logs, self._fresh = self.custom.test(data, rows)
+            return logs
+        states = self._test_local(x, y, sample_weight).numpy() if rows > 0 else self._states()
+        summed = self.comm.reduce(states, "summing the step's metrics")
+        logs = self._test_results(tf.constant(summed))
+        self._fresh = logs
+        return logs
+
+    # ---------------------------------------------------------- prediction
+    def make_predict_function(self, force: bool = False):
+        self._initialize()
+        if self._predict is None or force:
+            model = self.model
+            def predict(data):
+                return model.predict_step(data)
+
+            self._predict = self._function(predict)
+        self.model.predict_function = self._predict_function
+        return self._predict_function
+
+    def _predict_function(self, data: list):
+        """Keras's TensorFlow ``predict`` hands over a list of ``steps_per_execution`` batches."""
+        outputs = [self._predict_batch(no_optionals(batch)) for batch in data]
+        if len(outputs) == 1:
+            return outputs[0]
+        return keras.tree.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
+
+    def _predict_batch(self, batch):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        if batch_rows(x) > 0:
+            return self._predict(batch)
+        # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
+        outputs = self._predict((one_row_of_zeros(x),))
+        return keras.tree.map_structure(lambda a: a[:0], outputs)
+
+    # ---------------------------------------------------------- metrics
+    def _states(self) -> np.ndarray:
+        """The model's metric states now, as one float32 vector."""
+        return np.concatenate([np.zeros(0, np.float32),
+                               *(np.asarray(v.numpy(), np.float32).reshape(-1) for v in self.model.metrics_variables)])
+
+    def get_metrics_result(self):
+        """Global results; Keras's own (local) ones while TensorFlow traces a function."""
+        if tf.inside_function():
+            return self.keras_metrics_result()
+        if self._fresh is None:
+            refs = list(self.model.metrics_variables)
+            summed = self.comm.reduce(self._states(), "summing metrics")
+            self._fresh = metric_results(self.model, tf.constant(summed), refs, 0)  # eagerly: rare
+        return {k: np.asarray(v) if getattr(v, "shape", ()) else float(v) for k, v in self._fresh.items()}
+
+    def reset_metrics(self):
+        self._fresh = None
+        return self.keras_reset_metrics()
+
+    # ---------------------------------------------------------- between epochs
+    def sync_batchnorm_statistics(self) -> None:
+        """BatchNorm moving statistics averaged over ranks, weighted by share."""
+        variables = batchnorm_statistics(self.model)
+        if not variables:
+            return
+        ratios = self.balancer.ratios
+        weight = ratios[self.comm.rank] / sum(ratios)
+        values = [np.asarray(v.numpy()) for v in variables]
+        vector = np.concatenate([a.reshape(-1).astype(np.float32) for a in values]) * np.float32(weight)
+        summed = self.comm.reduce(vector, "averaging BatchNorm statistics")
+        offset = 0
+        for v, a in zip(variables, values):
+            v.assign(summed[offset : offset + a.size].reshape(a.shape).astype(a.dtype))
+            offset += a.size
+

@@ -1,0 +1,50 @@
+"""Vectors of a TensorFlow step: gradients and metric states flattened into float32 and back, and batch helpers."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["flat", "metric_results", "no_optionals", "one_row_of_zeros", "split"]
+
+
+def flat(values) -> list:
+    """Each value as a float32 vector."""
+    return [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values]
+
+
+def split(vector, like: list, offset: int = 0) -> list:
+    """Pieces of ``vector`` shaped and typed as ``like`` (variables), from ``offset`` on."""
+    out = []
+    for ref in like:
+        n = int(np.prod(ref.shape))
+        part = tf.reshape(vector[offset : offset + n], ref.shape)
+        dtype = tf.as_dtype(keras.backend.standardize_dtype(ref.dtype))
+        if not dtype.is_floating:
+            part = tf.round(part)
+        out.append(tf.cast(part, dtype))
+        offset += n
+    return out
+
+
+def metric_results(model, summed, metric_refs: list, offset: int) -> dict:
+    """Keras's metric results with every state replaced by its sum over ranks (in a function or eagerly)."""
+    values = split(summed, metric_refs, offset)
+    with keras.StatelessScope(state_mapping=list(zip(metric_refs, values))):
+        out = {}
+        for metric in model.metrics:
+            value = metric.result()
+            out.update(value if isinstance(value, dict) else {metric.name: value})
+    return out
+
+
+def no_optionals(data):
+    """A batch from ``tf.data`` with its empty ``Optional`` parts (a missing target or weight) as None."""
+    return keras.tree.map_structure(lambda a: None if isinstance(a, tf.experimental.Optional) else a, data)
+
+
+def one_row_of_zeros(data):
+    """A stand-in batch of one row of zeros, shaped and typed as ``data`` (a batch with no rows)."""
+    return keras.tree.map_structure(
+        lambda a: None if a is None else tf.zeros((1, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
