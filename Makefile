@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
-# TensorFlow's CPU build for the tf.data tests and the image-folder example only (multigpu imports it only when
-# the data is a tf.data.Dataset; it leaves Keras as it is), so that `make demo` does not wait for it.
+# TensorFlow's CPU build for the tf.data tests, the TensorFlow backend's tests and the image-folder example only
+# (multigpu imports it only when the data is a tf.data.Dataset or KERAS_BACKEND=tensorflow; it leaves Keras as it
+# is), so that `make demo` does not wait for it.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
 	touch $(TEST_STAMP)

@@ -5,7 +5,7 @@
 handed in by :func:`multigpu.parallelize`) and its loops, and gives the model instance the methods that use them
 (``fit``, ``evaluate``, ``predict``, the ``*_on_batch`` methods, the steps,
 ``get_metrics_result``, ``reset_metrics``, ``save``, ``save_weights``,
-``summary``).  The class is untouched, so the model stays the user's model: a
+``export``, ``summary``).  The class is untouched, so the model stays the user's model: a
 saved file is a plain Keras file.  On one device nothing is set at all.
 
 :func:`state` is the public way to read a model's run: devices, current
@@ -31,7 +31,7 @@ __all__ = ["ParallelModel", "State", "register_single", "state"]
 
 _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch", "save",
-                  "save_weights", "summary")
+                  "save_weights", "export", "summary")
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,8 @@ class ParallelModel:
         cls = type(model)
         self.keras = {name: getattr(cls, name).__get__(model, cls) for name in _KERAS_METHODS}
         self.keras.update(base_methods(model))  # the loops call Keras's own; a class's own come first
+        export = self.keras["export"]  # Keras's export takes no ``overwrite``: it replaces what is there
+        self.keras["export_folder"] = lambda path, overwrite=True, **kw: export(path, **kw)
         self.steps = steps(self)
         self.loops = Loops(self)
 
@@ -120,6 +122,7 @@ class ParallelModel:
             "save": lambda filepath, overwrite=True, **kw: self.save("save", filepath, overwrite, **kw),
             "save_weights": lambda filepath, overwrite=True, **kw: self.save("save_weights", filepath, overwrite,
                                                                              **kw),
+            "export": self.export,
             "summary": self.summary,
         }
         for name, method in methods.items():
@@ -150,6 +153,10 @@ class ParallelModel:
             kind = getattr(builtins, name, None)
             raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
         return result
+
+    def export(self, filepath, format: str = "tf_saved_model", **kwargs):
+        """Keras's ``export`` (a SavedModel by default) on rank 0, atomically; every rank returns once it is there."""
+        return self.save("export_folder", filepath, True, format=format, **kwargs)
 
     def summary(self, *args, **kwargs):
         """The model's own summary (rank 0 only) and one line with the devices and current shares."""

@@ -8,6 +8,7 @@ process that never imports multigpu loads it with ``keras.saving.load_model``.
 from __future__ import annotations
 
 import os
+import shutil
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **
     """Calls ``write(path, overwrite=..., **kwargs)`` on rank 0 into a temporary file, then renames it.
 
     Args:
-        write: Keras's own ``save`` or ``save_weights`` of the model.
+        write: Keras's own ``save``, ``save_weights`` or ``export`` of the model (a file or a folder).
         filepath: the target.
         rank: this rank; other ranks write nothing.
         overwrite: as in Keras (an existing file is left alone when False).
@@ -33,9 +34,13 @@ def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **
     tmp = path.with_name(f".{path.name[: -len(suffix) or None]}.tmp{os.getpid()}{suffix}")
     try:
         result = write(tmp, overwrite=True, **kwargs)
+        if tmp.is_dir() and path.is_dir():  # a SavedModel (``export``): the old folder goes just before
+            shutil.rmtree(path)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
             tmp.unlink()
     return result
 

@@ -158,7 +158,13 @@ def main():
     p.add_argument("--devices", default="cpu:0,cpu:1")
     p.add_argument("--ratios", default="3,1")
     p.add_argument("--steps-per-execution", type=int, default=1, help="two_output's (the same numbers as 1)")
+    p.add_argument("--eager", action="store_true", help="TensorFlow: a plain reference run eagerly (Keras's "
+                   "traced step weighs each output's loss by a batch size it may not know)")
     a = p.parse_args()
+    if a.eager:
+        import tensorflow as tf
+
+        tf.config.run_functions_eagerly(True)
     base = a.out
     for mode in (MODES if a.modes == "all" else a.modes.split(",")):
         a.out = f"{base}-{mode}.npz"

@@ -1,0 +1,136 @@
+"""The TensorFlow backend (``KERAS_BACKEND=tensorflow``): N devices reproduce one, on real processes.
+
+The same checks as the torch backend's, against a plain TensorFlow process:
+the mixed model at 3:1 (SGD) and 1:2:5 (Adam) with a ragged last step
+(:mod:`tests.test_exactness`), two outputs with sample weights, evaluate and
+predict, global BatchNorm, callbacks and saving (:mod:`tests.test_keras`,
+whose tests run here again with this module's runs), a ``train_step`` of the
+model's own, a GAN trained with ``train_on_batch`` and every optimizer
+feature (``tests/scripts/tensorflow_steps.py``), and ``model.export``.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow", reason="the TensorFlow backend's tests need TensorFlow (make test installs it)")
+
+from tests.conftest import SCRIPTS
+from tests.test_exactness import load as load_exactness
+from tests.test_exactness import max_relative_error
+from tests.test_keras import (  # noqa: F401  (test_keras's tests, run again on this module's `runs`)
+    COMPARED,
+    load,
+    rel,
+    test_callbacks_checkpoint_and_saved_model,
+    test_sync_batchnorm_reproduces_one_device,
+    test_two_outputs_sample_weight_evaluate_and_predict_match_one_device,
+)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+ENV = {"KERAS_BACKEND": "tensorflow", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
+       "PYTHONWARNINGS": "default"}
+
+
+def _run(args, cwd, timeout=240):
+    res = subprocess.run(args, capture_output=True, check=False, text=True, timeout=timeout,
+                         env={**os.environ, **ENV}, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def _parallel(script, *args, cwd, devices="cpu:0,cpu:1"):
+    return _run([sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / script), *args], cwd)
+
+
+@pytest.mark.parametrize(("ratios", "optimizer"), [("3,1", "sgd"), ("1,2,5", "adam")])
+def test_mixed_model_matches_one_device(tmp_path, ratios, optimizer):
+    """Dense, Conv2D, GRU, Embedding (sparse gradients) and L2 on 193 rows at batch 64: the last step has
+    one row, so at 3:1 one rank and at 1:2:5 two ranks have none."""
+    _run([sys.executable, str(SCRIPTS / "exactness.py"), str(tmp_path / "plain.npz"), "--plain", "--rows", "193",
+          "--optimizers", optimizer], tmp_path)
+    n = len(ratios.split(","))
+    _run([sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios",
+          ratios, str(SCRIPTS / "exactness.py"), str(tmp_path / "par.npz"), "--rows", "193", "--optimizers",
+          optimizer], tmp_path)
+    tolerance = {"sgd": 1e-5, "adam": 1e-4}[optimizer]
+    (ref, ref_history), (got, history) = (load_exactness(tmp_path / f, (optimizer,))[optimizer]
+                                          for f in ("plain.npz", "par.npz"))
+    assert max_relative_error(ref, got) <= tolerance
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=tolerance)
+    np.testing.assert_allclose(history["accuracy"], ref_history["accuracy"], rtol=tolerance)
+    for r in range(1, n):
+        other, other_history = load_exactness(tmp_path / f"par.npz.rank{r}.npz", (optimizer,))[optimizer]
+        assert max_relative_error(got, other) == 0.0 and other_history == history
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """test_keras's runs on TensorFlow: one plain process (eager: Keras's traced TensorFlow step weighs each
+    output's loss by a batch size it may not know, and so misstates per-output losses on ragged batches) and
+    one 2-device run (3:1) of every feature."""
+    folder = tmp_path_factory.mktemp("tf-features")
+    _run([sys.executable, str(SCRIPTS / "keras_features.py"), COMPARED, str(folder / "plain"), "--plain",
+          "--eager"], folder)
+    return folder, _parallel("keras_features.py", "all", str(folder / "par"), cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tf-steps")
+    _run([sys.executable, str(SCRIPTS / "tensorflow_steps.py"), "all", str(folder / "plain"), "--plain"], folder)
+    _parallel("tensorflow_steps.py", "all", str(folder / "par"), cwd=folder)
+
+    def pair(mode):
+        return (load(folder / f"plain-{mode}.npz"), load(folder / f"par-{mode}.npz"),
+                load(folder / f"par-{mode}.npz.rank1.npz"))
+
+    return folder, pair
+
+
+def test_a_train_step_of_its_own_matches_one_device_and_exports_from_rank_0(steps):
+    folder, pair = steps
+    plain, r0, r1 = pair("custom")
+    assert rel(plain["weights"], r0["weights"]) < 1e-5
+    np.testing.assert_array_equal(r0["weights"], r1["weights"])
+    for key in ("loss", "mae", "seen"):  # a scalar log (rows-weighted), a metric, a Sum over every rank's rows
+        np.testing.assert_allclose(r0["history"][key], plain["history"][key], rtol=1e-5)
+    assert r0["history"] == r1["history"]
+    # model.export on every rank: rank 0 wrote one SavedModel, which serves what the model predicts
+    code = (f"import numpy as np, tensorflow as tf\nd = np.load({str(folder / 'par-custom.npz')!r})\n"
+            f"m = tf.saved_model.load({str(folder / 'par-custom.npz.savedmodel')!r})\n"
+            "np.testing.assert_allclose(m.serve(d['probe']).numpy(), d['pred'], rtol=1e-5, atol=1e-6)\n"
+            "print('served ok')\n")
+    assert "served ok" in _run([sys.executable, "-c", code], folder, timeout=60)
+    assert not list(folder.glob(".*.tmp*")), "a temporary folder was left behind"
+
+
+def test_a_gan_trained_with_train_on_batch_matches_one_device(steps):
+    """Two optimizers in one train_step, one sum per optimizer call, in the step's order on every rank."""
+    _, pair = steps
+    plain, r0, r1 = pair("gan")
+    assert rel(plain["weights"], r0["weights"]) < 1e-4  # Adam
+    np.testing.assert_array_equal(r0["weights"], r1["weights"])
+    assert r0["logs"] == r1["logs"] and len(r0["logs"]) == 6
+
+
+# relative tolerance per feature: float32 rounding, or the 16-bit compute dtype's
+FEATURE_TOLERANCE = {"mixed_float16": 1e-3, "mixed_bfloat16": 1e-2}
+
+
+def test_every_optimizer_feature_matches_one_device(steps):
+    _, pair = steps
+    plain, r0, r1 = pair("features")
+    names = [k.split(".")[0] for k in plain if k.endswith(".weights")]
+    assert len(names) == 8
+    for name in names:
+        tolerance = FEATURE_TOLERANCE.get(name, 1e-5)
+        assert rel(plain[f"{name}.weights"], r0[f"{name}.weights"]) < tolerance, name
+        np.testing.assert_allclose(r0[f"{name}.loss"], plain[f"{name}.loss"], rtol=tolerance, err_msg=name)
+        np.testing.assert_array_equal(r0[f"{name}.weights"], r1[f"{name}.weights"], err_msg=name)
+        assert r0[f"{name}.optimizer"] == plain[f"{name}.optimizer"], name
+    assert r0["mixed_float16.optimizer"] == ["LossScaleOptimizer"]
