@@ -21,18 +21,20 @@ with the metric states and the step's timings; the balancer reads the timings.
 
 :class:`StepsCore` holds what is the same on every backend: the first-use
 initialisation (rank 0's weights everywhere, a different random stream per
-rank), the calibration call, and the realignment of replicas that run on
-different kinds of processor.  A backend implements the variable transfers
-(:meth:`StepsCore._broadcast_variables`, :meth:`StepsCore._offset_seeds`) and
-its steps.
+rank), the calibration call, the realignment of replicas that run on
+different kinds of processor, and, for a backend whose collectives take
+NumPy arrays, the variable transfers and the epoch-end BatchNorm average
+(torch's steps have their own).  A backend implements its steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import optimizers_of, own_method
+from multigpu._keras.model_parts import batchnorm_statistics, optimizers_of, own_method
 
 __all__ = ["SEED_STRIDE", "StepsCore"]
 
@@ -68,17 +70,36 @@ class StepsCore:
         return False
 
     def sync_batchnorm_statistics(self) -> None:
-        """BatchNorm moving statistics made equal on every rank (at an epoch's end)."""
-        raise NotImplementedError
+        """BatchNorm moving statistics averaged over ranks, weighted by share (at an epoch's end).
+
+        This and the two hooks below serve a backend whose ``Comm`` sums
+        NumPy arrays (JAX, TensorFlow); torch's steps have their own.
+        """
+        variables = batchnorm_statistics(self.model)
+        if not variables:
+            return
+        ratios = self.balancer.ratios
+        weight = ratios[self.comm.rank] / sum(ratios)
+        values = [np.asarray(v) for v in variables]
+        vector = np.concatenate([a.reshape(-1).astype(np.float32) for a in values]) * np.float32(weight)
+        summed = self.comm.reduce(vector, "averaging BatchNorm statistics")
+        offset = 0
+        for v, a in zip(variables, values):
+            v.assign(summed[offset : offset + a.size].reshape(a.shape).astype(a.dtype))
+            offset += a.size
 
     # ---------------------------------------------------------- backend hooks
     def _broadcast_variables(self, variables: Sequence, what: str) -> None:
         """Rank 0's values of ``variables`` (Keras variables) on every rank."""
-        raise NotImplementedError
+        for v, value in zip(variables, self.comm.broadcast([np.asarray(v) for v in variables], what=what)):
+            v.assign(value)
 
     def _offset_seeds(self, variables: Sequence, offset: int) -> None:
         """Adds ``offset`` to the first element of each seed variable."""
-        raise NotImplementedError
+        for v in variables:
+            value = np.asarray(v).copy()
+            value[0] = value[0] + np.asarray(offset).astype(value.dtype)
+            v.assign(value)
 
     # ---------------------------------------------------------- shared
     def _state_variables(self, with_optimizers: bool = False) -> list:

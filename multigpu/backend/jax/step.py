@@ -44,7 +44,7 @@ import keras
 import numpy as np
 
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows, batchnorm_statistics
+from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.jax.custom import EagerSteps
 from multigpu.backend.jax.packing import COMPRESSION, flat, metric_results, split
 from multigpu.backend.steps import StepsCore
@@ -88,17 +88,6 @@ class JaxSteps(StepsCore):
         return {"make_train_function": self.make_train_function, "make_test_function": self.make_test_function,
                 "make_predict_function": self.make_predict_function,
                 "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
-
-    # ---------------------------------------------------------- variables
-    def _broadcast_variables(self, variables, what: str) -> None:
-        for v, value in zip(variables, self.comm.broadcast([np.asarray(v.value) for v in variables], what=what)):
-            v.assign(value)
-
-    def _offset_seeds(self, variables, offset: int) -> None:
-        for v in variables:
-            value = np.asarray(v.value).copy()
-            value[0] = value[0] + np.asarray(offset).astype(value.dtype)
-            v.assign(value)
 
     def _batches(self, one, state, iterator, concatenate: bool = False):
         """``steps_per_execution`` batches through ``one(state, data)``, one after another, as Keras's JAX
@@ -371,19 +360,3 @@ class JaxSteps(StepsCore):
     def reset_metrics(self):
         self._fresh = None
         return self.keras_reset_metrics()
-
-    # ---------------------------------------------------------- between epochs
-    def sync_batchnorm_statistics(self) -> None:
-        """BatchNorm moving statistics averaged over ranks, weighted by share."""
-        variables = batchnorm_statistics(self.model)
-        if not variables:
-            return
-        ratios = self.balancer.ratios
-        weight = ratios[self.comm.rank] / sum(ratios)
-        values = [np.asarray(v.value) for v in variables]
-        flat = np.concatenate([a.reshape(-1).astype(np.float32) for a in values]) * np.float32(weight)
-        summed = self.comm.reduce(flat, "averaging BatchNorm statistics")
-        offset = 0
-        for v, a in zip(variables, values):
-            v.assign(summed[offset : offset + a.size].reshape(a.shape).astype(a.dtype))
-            offset += a.size

@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows, batchnorm_statistics
+from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.steps import StepsCore
 from multigpu.backend.tensorflow.custom import CustomSteps
@@ -78,17 +78,6 @@ class TensorFlowSteps(StepsCore):
         return {"make_train_function": self.make_train_function, "make_test_function": self.make_test_function,
                 "make_predict_function": self.make_predict_function,
                 "get_metrics_result": self.get_metrics_result, "reset_metrics": self.reset_metrics}
-
-    # ---------------------------------------------------------- variables
-    def _broadcast_variables(self, variables, what: str) -> None:
-        for v, value in zip(variables, self.comm.broadcast([np.asarray(v.numpy()) for v in variables], what=what)):
-            v.assign(value)
-
-    def _offset_seeds(self, variables, offset: int) -> None:
-        for v in variables:
-            value = np.asarray(v.numpy()).copy()
-            value[0] = value[0] + np.asarray(offset).astype(value.dtype)
-            v.assign(value)
 
     def _function(self, fn, jit: bool | None = None):
         """``fn`` as a ``tf.function`` traced once per local batch size (eager with ``run_eagerly``).
@@ -370,20 +359,3 @@ class TensorFlowSteps(StepsCore):
     def reset_metrics(self):
         self._fresh = None
         return self.keras_reset_metrics()
-
-    # ---------------------------------------------------------- between epochs
-    def sync_batchnorm_statistics(self) -> None:
-        """BatchNorm moving statistics averaged over ranks, weighted by share."""
-        variables = batchnorm_statistics(self.model)
-        if not variables:
-            return
-        ratios = self.balancer.ratios
-        weight = ratios[self.comm.rank] / sum(ratios)
-        values = [np.asarray(v.numpy()) for v in variables]
-        vector = np.concatenate([a.reshape(-1).astype(np.float32) for a in values]) * np.float32(weight)
-        summed = self.comm.reduce(vector, "averaging BatchNorm statistics")
-        offset = 0
-        for v, a in zip(variables, values):
-            v.assign(summed[offset : offset + a.size].reshape(a.shape).astype(a.dtype))
-            offset += a.size
-
