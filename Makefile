@@ -4,9 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-tf
+# `make demo` runs on the caller's KERAS_BACKEND (torch when unset); every other target sets its own.
+DEMO_BACKEND := $(or $(KERAS_BACKEND),torch)
 export KERAS_BACKEND := torch
 
-.PHONY: demo test test-examples test-outside lint bench compat keras-suite keras-suite-jax clean
+.PHONY: demo test test-examples test-outside lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,12 +31,12 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
 	touch $(TEST_STAMP)
 
-demo: $(STAMP)
+demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(STAMP))
 	@# Fashion-MNIST from Debian's package when we may install it; the demo falls back to synthetic data otherwise.
 	@test -d /usr/share/datasets/fashion-mnist || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
 		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)); } || true
-	$(BIN)/python examples/demo.py $(ARGS)
+	KERAS_BACKEND=$(DEMO_BACKEND) $(BIN)/python examples/demo.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
@@ -69,6 +71,10 @@ keras-suite: $(STAMP)
 # The same on the JAX backend.
 keras-suite-jax: $(STAMP)
 	KERAS_BACKEND=jax OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS-jax.md
+
+# The same on the TensorFlow backend.
+keras-suite-tf: $(TEST_STAMP)
+	KERAS_BACKEND=tensorflow OMP_NUM_THREADS=1 $(BIN)/python keras_suite/run.py --write keras_suite/RESULTS-tf.md
 
 clean:
 	rm -rf $(VENV) .compat *.egg-info .pytest_cache .ruff_cache

@@ -4,6 +4,7 @@
     ... benchmarks/bench_overhead.py --cases mlp:0.5:64 --steps-scale 0.5                         # one case
     ... benchmarks/bench_overhead.py --suite transformers     # keras-hub BERT and GPT-2 at batch 64 and 256
     ... benchmarks/bench_overhead.py --suite applications     # keras.applications models at batch 64
+    KERAS_BACKEND=tensorflow ... benchmarks/bench_overhead.py --suite tensorflow   # against MirroredStrategy
 
 For each case (model:width:global batch), one after another, each configuration in fresh
 processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each), in
@@ -16,9 +17,12 @@ machine can be off by 10-30%):
 * ``mg2-keras`` (only when asked for): ``mg2`` with Keras's own forward pass (``MULTIGPU_REPLAY=0``), to
   measure what replaying it (``multigpu.backend.torch.replay``) buys;
 * ``ddp``: a hand-written PyTorch DDP loop driving the same Keras model, equal shares;
-* ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP (what Keras's next release does).
+* ``keras-ddp``: Keras's own ``fit`` with the model wrapped in DDP (what Keras's next release does);
+* ``tf-mirrored`` (``KERAS_BACKEND=tensorflow``, the ``tensorflow`` suite's baseline in place of the two DDP
+  loops): Keras's own ``fit`` under ``tf.distribute.MirroredStrategy``, one process on both cores, one logical
+  CPU device per core, equal halves of every batch.
 
-``single``, ``mg1`` and ``mg2`` carry phase timers (``multigpu.bench.breakdown``): milliseconds
+On torch, ``single``, ``mg1`` and ``mg2`` carry phase timers (``multigpu.bench.breakdown``): milliseconds
 per step in the forward pass, the loss, ``backward``, summing gradients over ranks, the optimizer
 update, the metrics, the rest of the training step (multigpu's hooks and Keras's step code) and
 Keras's loop outside the step (data, callbacks).  Results: printed tables, and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -48,6 +53,8 @@ SUITES = {
     "transformers": ["bert:1:64:60", "bert:1:256:24", "gpt2:1:64:60", "gpt2:1:256:24"],
     # keras.applications, weights=None, 32x32x3 images
     "applications": ["mobilenetv3small:1:64:20", "efficientnetb0:1:64:10", "resnet50:1:64:6"],
+    # KERAS_BACKEND=tensorflow: the convnet and the MLP at batch 64, against MirroredStrategy
+    "tensorflow": ["convnet:0.25:256:12", "mlp:0.5:64:80", "mlp:0.5:512:30"],
 }
 CONFIGS = {
     "single": {"mode": "single", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
@@ -57,9 +64,12 @@ CONFIGS = {
                   "env": {"MULTIGPU_REPLAY": "0"}},
     "ddp": {"mode": "ddp", "devices": ["cpu:0", "cpu:1"]},
     "keras-ddp": {"mode": "keras-ddp", "devices": ["cpu:0", "cpu:1"]},
+    "tf-mirrored": {"mode": "tf-mirrored", "devices": ["cpu:0", "cpu:1"]},
 }
 
 DEFAULT_CONFIGS = ["single", "mg1", "mg2", "ddp", "keras-ddp"]
+TENSORFLOW_CONFIGS = ["single", "mg1", "mg2", "tf-mirrored"]
+BASELINE_NAMES = ("ddp", "keras-ddp", "tf-mirrored")
 
 
 def run_case(case: str, steps_scale: float, configs: list[str], rounds: int, breakdown: bool = True) -> dict:
@@ -85,15 +95,18 @@ def run_case(case: str, steps_scale: float, configs: list[str], rounds: int, bre
     return out
 
 
-def ratio_table(results: list[dict]) -> str:
-    lines = ["| model | batch | mg2 / single | mg2 / ddp | mg2 / keras-ddp | mg1 / single "
-             "| samples/s single, mg2, ddp |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+def ratio_table(results: list[dict], configs: list[str]) -> str:
+    """mg2 over one device and over every baseline that ran, and mg1 over one device."""
+    baselines = [b for b in BASELINE_NAMES if b in configs]
+    lines = ["| model | batch | mg2 / single | " + "".join(f"mg2 / {b} | " for b in baselines) + "mg1 / single "
+             "| samples/s single, mg2, " + ", ".join(baselines) + " |",
+             "|---|---:|---:|" + "---:|" * len(baselines) + "---:|---|"]
     for r in results:
         s = {k: v["samples_per_second"] for k, v in r["runs"].items()}
         lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | {s['mg2'] / s['single']:.2f}x | "
-                     f"{s['mg2'] / s['ddp']:.2f}x | {s['mg2'] / s['keras-ddp']:.2f}x | {s['mg1'] / s['single']:.2f}x | "
-                     f"{s['single']:.0f}, {s['mg2']:.0f}, {s['ddp']:.0f} |")
+                     + "".join(f"{s['mg2'] / s[b]:.2f}x | " for b in baselines)
+                     + f"{s['mg1'] / s['single']:.2f}x | "
+                     + ", ".join(f"{s[k]:.0f}" for k in ("single", "mg2", *baselines)) + " |")
     return "\n".join(lines)
 
 
@@ -123,24 +136,28 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="+", default=None, help="model:width:batch[:steps] (default: the suite's)")
     p.add_argument("--suite", default="default", choices=sorted(SUITES), help="a named set of cases")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated, of " + ",".join(CONFIGS))
+    p.add_argument("--configs", default=None,
+                   help="comma-separated, of " + ",".join(CONFIGS) + " (default: " + ",".join(DEFAULT_CONFIGS)
+                   + "; on TensorFlow " + ",".join(TENSORFLOW_CONFIGS) + ")")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
     p.add_argument("--no-breakdown", action="store_true",
                    help="no phase timers (they cost single, mg1 and mg2 a little, and the baselines nothing)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead.json"))
     a = p.parse_args()
-    configs = a.configs.split(",")
+    tensorflow = os.environ.get("KERAS_BACKEND") == "tensorflow"
+    configs = (a.configs or ",".join(TENSORFLOW_CONFIGS if tensorflow else DEFAULT_CONFIGS)).split(",")
+    breakdown = not a.no_breakdown and os.environ.get("KERAS_BACKEND", "torch") == "torch"  # torch's phase timers
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
     cases = a.cases or SUITES[a.suite]
-    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds, not a.no_breakdown)
+    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds, breakdown)
                for c in cases]
-    if set(DEFAULT_CONFIGS) <= set(configs):
-        print("\n" + ratio_table(results))
+    if {"single", "mg1", "mg2"} <= set(configs):
+        print("\n" + ratio_table(results, configs))
     if {"mg2", "mg2-keras"} <= set(configs):
         print("\n" + replay_table(results))
-    if not a.no_breakdown:
+    if breakdown:
         print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))
     print(f"\n{(time.monotonic() - start) / 60:.1f} min on {platform.node()}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

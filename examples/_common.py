@@ -113,12 +113,12 @@ def independent_env() -> dict[str, str]:
     """This environment without the variables that make a process a rank of a run.
 
     Returns:
-        A copy of ``os.environ`` for a process that starts a run of its own, on the torch backend.
+        A copy of ``os.environ`` for a process that starts a run of its own, on this process's Keras backend.
     """
     drop = {*multigpu_env.RUN_VARS, multigpu_env.STORE_FD,
             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["KERAS_BACKEND"] = "torch"
+    env["KERAS_BACKEND"] = keras.backend.backend()
     return env
 
 

@@ -2,6 +2,7 @@
 
     make demo
     KERAS_BACKEND=torch python examples/demo.py [--devices cpu:0,cpu:1@0.5] [--epochs 2] [--rows 12000]
+    KERAS_BACKEND=tensorflow make demo        # the same on Keras's TensorFlow backend (jax works too)
 
 With GPUs it uses all of them; on a CPU-only machine two CPU devices, the
 second limited to half speed (a cgroup CPU quota, so that balancing shows;
@@ -113,16 +114,22 @@ def one_device_rate(a: argparse.Namespace) -> float:
         command = [sys.executable, os.path.abspath(__file__), "--alone", str(out), "--width", str(a.width),
                    "--batch-size", str(a.batch_size), "--rows", str(a.rows)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIGPU_")}
-        env.update(OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+        env.update(OMP_NUM_THREADS="1", KERAS_BACKEND=keras.backend.backend())
         subprocess.run(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0}), check=True)
         return float(json.loads(out.read_text())["samples_per_second"])
 
 
 def train_alone(a: argparse.Namespace) -> None:
     """``--alone``: the first ``ALONE_STEPS`` steps of the same training, plain Keras, one thread."""
-    import torch
+    if keras.backend.backend() == "torch":
+        import torch
 
-    torch.set_num_threads(1)
+        torch.set_num_threads(1)
+    elif keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     keras.utils.set_random_seed(0)
     x, y, _, _ = load_data(a.rows, lambda *_: None)
     model = build_model(a.width)

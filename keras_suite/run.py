@@ -2,6 +2,7 @@
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python keras_suite/run.py    # or: make keras-suite
     KERAS_BACKEND=jax ... keras_suite/run.py --write keras_suite/RESULTS-jax.md  # or: make keras-suite-jax
+    KERAS_BACKEND=tensorflow ... keras_suite/run.py --write keras_suite/RESULTS-tf.md  # or: make keras-suite-tf
     ... keras_suite/run.py --files trainers/trainer_test.py --write keras_suite/RESULTS.md
 
 Runs test files of the installed Keras (trainers, callbacks and saving by default):
@@ -247,7 +248,7 @@ def main() -> int:
         involved = [t for t, r in plain.items() if r["outcome"] == "passed" and r["reached"]]
         parallel = parallel_runs(involved, out, a.devices, a.timeout, log)
     rows = classify(plain, parallel)
-    suite = "make keras-suite" + ("-jax" if child_env()["KERAS_BACKEND"] == "jax" else "")
+    suite = "make keras-suite" + {"jax": "-jax", "tensorflow": "-tf"}.get(child_env()["KERAS_BACKEND"], "")
     command = suite if a.write else " ".join(["keras_suite/run.py", *sys.argv[1:]])
     report = markdown(rows, command, time.monotonic() - start, a.devices)
     print(report)

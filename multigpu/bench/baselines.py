@@ -3,7 +3,8 @@
 All of them split every global batch equally, each rank feeding its own slice.
 ``keras-ddp`` emulates on any Keras what ``keras-fit-ddp`` runs for real on
 Keras 3.16 and newer: Keras's own torch trainer wrapping the model in DDP
-once a process group is up.
+once a process group is up.  ``tf-mirrored`` is Keras's own ``fit`` under
+``tf.distribute.MirroredStrategy`` on the TensorFlow backend.
 """
 
 from __future__ import annotations
@@ -240,5 +241,24 @@ def _keras_fit_ddp_run(cfg: dict, spec) -> None:
         _write(cfg, {"samples_per_second": rate, "loss": clock.loss, "time_per_step": batch / rate, "shares": local})
 
 
+def _tf_mirrored_run(cfg: dict, spec) -> None:
+    """Keras ``fit`` under ``tf.distribute.MirroredStrategy`` (TensorFlow): one process on the listed devices' cores,
+    one logical CPU device per listed device (made by :func:`multigpu.bench.worker.main` before TensorFlow starts),
+    equal halves of every batch; the one multi-device path Keras 3 has on TensorFlow."""
+    import tensorflow as tf
+
+    batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    strategy = tf.distribute.MirroredStrategy(devices)
+    with strategy.scope():
+        model = spec.build(float(cfg.get("width", 1.0)))
+        spec.compile(model)
+    x, y = spec.data(batch * (steps + warmup), 0)
+    timer = _timer(batch, warmup, 0)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    rate = timer.rate()
+    _write(cfg, {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate, "devices": devices})
+
+
 BASELINES = {"ddp": _ddp_run, "keras-ddp": _keras_ddp_run, "keras-fit-ddp": _keras_fit_ddp_run,
-             "keras-dp": _keras_dp_run, "keras-dp-procs": _keras_dp_procs_run}
+             "keras-dp": _keras_dp_run, "keras-dp-procs": _keras_dp_procs_run, "tf-mirrored": _tf_mirrored_run}

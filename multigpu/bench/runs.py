@@ -18,6 +18,9 @@ Kinds of run (``mode``):
   equal shares, on the listed devices' cores (``capacity``: CPU time in cores);
 * ``keras-dp-procs`` (JAX): the same over one process per listed device, each
   a device of its own at its speed (``cpu:1@0.5``), equal shares;
+* ``tf-mirrored`` (TensorFlow): Keras's own ``fit`` under
+  ``tf.distribute.MirroredStrategy`` in one process, one logical CPU device per
+  listed device, on the listed devices' cores, equal shares;
 * ``calibrate``: one device alone at growing batch sizes.
 
 Every run reports steady-state samples/s (the first ``warmup`` steps are not
@@ -37,7 +40,8 @@ from pathlib import Path
 
 __all__ = ["MODES", "run_config", "solo_devices_config"]
 
-MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "calibrate")
+MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "tf-mirrored",
+         "calibrate")
 
 
 def _pinned(cores):
@@ -81,9 +85,10 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         log_path = Path(tmp) / "output.txt"
         log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
         stdout = None if stream else (log_file or subprocess.DEVNULL)
-        alone = config["mode"] in ("single", "solo", "calibrate", "keras-dp")
+        alone = config["mode"] in ("single", "solo", "calibrate", "keras-dp", "tf-mirrored")
         if alone:
-            cfg["cores"] = list(config.get("cores") or devices[0].cores)
+            every = sorted({c for d in devices for c in d.cores})
+            cfg["cores"] = list(config.get("cores") or (every if config["mode"] == "tf-mirrored" else devices[0].cores))
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         if alone:
             proc = subprocess.Popen(command, env=env, preexec_fn=_pinned(cfg["cores"]), stdout=stdout)

@@ -33,13 +33,15 @@ def _peak_rss() -> int:
 
 def _fit_run(cfg: dict, spec) -> None:
     """``multigpu``, ``solo`` and ``single``: Keras ``fit`` with or without multigpu."""
-    import torch
+    import keras
 
     import multigpu
 
     batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
     mode = cfg["mode"]
-    if mode == "single":
+    if mode == "single" and keras.backend.backend() == "torch":
+        import torch
+
         torch.set_num_threads(max(1, len(cfg.get("cores") or [0])))
     model = spec.build(float(cfg.get("width", 1.0)))
     parallel = None
@@ -197,6 +199,20 @@ def _solo_rate(model, x, y, min_seconds: float) -> float:
     return rows * len(timed) / sum(timed)
 
 
+def _tensorflow_threads(cfg: dict) -> None:
+    """Before TensorFlow starts: one op thread per core (TensorFlow counts the machine's cores, not this process's),
+    and for ``tf-mirrored`` one logical CPU device per listed device."""
+    import tensorflow as tf
+
+    cores = len(cfg.get("cores") or [0])
+    tf.config.threading.set_intra_op_parallelism_threads(cores if cfg["mode"] == "single" else 1)
+    tf.config.threading.set_inter_op_parallelism_threads(cores)
+    if cfg["mode"] == "tf-mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in cfg["devices"]])
+
+
 def main(path: str) -> None:
     """Runs the configuration in ``path``."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -204,6 +220,8 @@ def main(path: str) -> None:
     if cfg["mode"] == "keras-dp":  # before JAX starts: one XLA host device per planned device
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={len(cfg['devices'])}").strip()
+    if os.environ["KERAS_BACKEND"] == "tensorflow" and cfg["mode"] in ("single", "tf-mirrored"):
+        _tensorflow_threads(cfg)
     import keras
 
     from multigpu.bench.models import get_model

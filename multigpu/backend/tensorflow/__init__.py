@@ -2,7 +2,7 @@
 
 * ``group``: binding TensorFlow to this process's device, joining the run and leaving it;
 * ``collectives``: ``Comm``, every collective multigpu does (the torch backend's engine, on NumPy arrays);
-* ``feeding``: this rank's share of each global batch as the ``tf.data.Dataset`` Keras's loop reads;
+* ``feeding``: this rank's share of each global batch as the iterable Keras's loop reads;
 * ``step``: the training, test and predict functions Keras's loops call;
 * ``custom``: a ``train_step`` of the model's own (``tf.GradientTape`` and ``optimizer.apply``);
 * ``facts``: ``FACTS``, what the layers above need to know of this backend.

@@ -43,7 +43,7 @@ from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.steps import StepsCore
 from multigpu.backend.tensorflow.custom import CustomSteps
-from multigpu.backend.tensorflow.tensors import flat, metric_results, no_optionals, one_row_of_zeros, split
+from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["TensorFlowSteps"]
@@ -99,13 +99,13 @@ class TensorFlowSteps(StepsCore):
     def _batches(self, one, iterator) -> list:
         """The outputs of ``one(batch)`` for up to ``steps_per_execution`` batches of ``iterator``; each batch is
         a step of its own (its plan, sum and timing).  Raises StopIteration when it has none."""
-        outputs = [one(no_optionals(next(iterator)))]
+        outputs = [one(next(iterator))]
         for _ in range(self.model.steps_per_execution - 1):
             try:
                 data = next(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
+            except StopIteration:
                 break
-            outputs.append(one(no_optionals(data)))
+            outputs.append(one(data))
         return outputs
 
     # ---------------------------------------------------------- training
@@ -327,7 +327,7 @@ class TensorFlowSteps(StepsCore):
 
     def _predict_function(self, data: list):
         """Keras's TensorFlow ``predict`` hands over a list of ``steps_per_execution`` batches."""
-        outputs = [self._predict_batch(no_optionals(batch)) for batch in data]
+        outputs = [self._predict_batch(batch) for batch in data]
         if len(outputs) == 1:
             return outputs[0]
         return keras.tree.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)

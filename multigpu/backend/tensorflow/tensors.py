@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["flat", "metric_results", "no_optionals", "one_row_of_zeros", "split"]
+__all__ = ["flat", "metric_results", "one_row_of_zeros", "split"]
 
 
 def flat(values) -> list:
@@ -37,11 +37,6 @@ def metric_results(model, summed, metric_refs: list, offset: int) -> dict:
             value = metric.result()
             out.update(value if isinstance(value, dict) else {metric.name: value})
     return out
-
-
-def no_optionals(data):
-    """A batch from ``tf.data`` with its empty ``Optional`` parts (a missing target or weight) as None."""
-    return keras.tree.map_structure(lambda a: None if isinstance(a, tf.experimental.Optional) else a, data)
 
 
 def one_row_of_zeros(data):
