@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -55,6 +56,9 @@ class Announce(keras.callbacks.Callback):
         if self.a.announce and not self.done:
             self.done = True
             print(f"rank {self.rank} pid {os.getpid()} training", flush=True)
+        if self.rank == self.a.sleep_rank and batch == 1:
+            print(f"rank {self.rank} sleeps", flush=True)
+            time.sleep(self.a.sleep)
         marker = os.path.join(self.a.backup or ".", "died-once")
         if self.rank == self.a.die_rank and self.epoch == 1 and batch == 2 and not os.path.exists(marker):
             open(marker, "w").close()
@@ -79,6 +83,9 @@ def main() -> int:
     p.add_argument("--rows-per-rank", action="store_true", help="give each rank a different number of rows")
     p.add_argument("--backup", default=None, help="BackupAndRestore folder")
     p.add_argument("--die-rank", type=int, default=-1, help="this rank kills itself in epoch 2 once")
+    p.add_argument("--sleep-rank", type=int, default=-1, help="this rank sleeps after its second step")
+    p.add_argument("--sleep", type=float, default=0.0, help="for this many seconds")
+    p.add_argument("--timeout", type=float, default=20.0, help="parallelize's collective timeout")
     a = p.parse_args()
     keras.utils.set_random_seed(0)
     layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu")]
@@ -87,7 +94,7 @@ def main() -> int:
     layers.append(keras.layers.Dense(2, activation="softmax"))
     model = keras.Sequential(layers)
     ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
-    model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=20)
+    model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=a.timeout)
     rank = multigpu.rank()
     if a.print_listen:
         for address in listening_addresses():
