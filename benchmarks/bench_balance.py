@@ -2,6 +2,7 @@
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_balance.py            # ~60 min
     ... benchmarks/bench_balance.py --cases convnet:0.25:256 --no-slowdown                         # one case
+    KERAS_BACKEND=tensorflow ... benchmarks/bench_balance.py --cases convnet:0.25:256 mlp:0.5:1024 --no-slowdown
 
 Devices ``cpu:0`` and ``cpu:1@0.5`` (rank 1 under a cgroup CPU quota of half a core: needs root).
 For every case (model:width:global batch), one configuration after another, each in fresh
@@ -136,7 +137,8 @@ def run_case(case: str, seconds: float, rounds: int, log) -> dict:
 def slowdown(best_at_half: float, log) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-slowdown-") as tmp:
         out = Path(tmp) / "slowdown.json"
-        env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "torch"), OMP_NUM_THREADS="1",
+                   PYTHONWARNINGS="ignore")
         proc = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", "--ratios",
                                "auto", str(ROOT / "benchmarks" / "_slowdown.py"), str(out), "--steps", "110",
                                "--slow-after", "30"], env=env, capture_output=True, text=True, timeout=900,
