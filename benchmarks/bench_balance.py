@@ -188,7 +188,11 @@ def main() -> int:
         print(f"[{time.monotonic() - start:5.0f} s] {message}", flush=True)
 
     log("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    results = [run_case(c, a.seconds, a.rounds, log) for c in a.cases]
+    results = []
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    for case in a.cases:  # written after every case: a case that fails later loses nothing measured before it
+        results.append(run_case(case, a.seconds, a.rounds, log))
+        Path(a.out).write_text(json.dumps({"command": sys.argv, "results": results, "slowdown": None}, indent=1))
     slow = None
     if not a.no_slowdown:
         convnet = next((r for r in results if r["model"] == "convnet" and r["batch"] == 256), None)
@@ -197,7 +201,6 @@ def main() -> int:
         slow = slowdown(best, log)
     print("\nsamples/s on cpu:0 + cpu:1@0.5 (fixed shares: the fast device's share)\n" + table(results))
     print(f"\n{(time.monotonic() - start) / 60:.1f} min")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"command": sys.argv, "results": results, "slowdown": slow}, indent=1))
     return 0
 

@@ -17,8 +17,19 @@ TWO_CPUS = ["--devices", "cpu:0,cpu:1"]
 NUMBER = r"(\d+(?:\.\d+)?)"
 
 
-def run_example(runner, name: str, *args: str, timeout: float) -> str:
-    res = runner.run([sys.executable, str(EXAMPLES / name), "--quick", *args], timeout=timeout)
+# The examples the TensorFlow backend runs too (issue 39: the migration, the ratios example, the 41M dense network,
+# the GRU sweep); make demo runs there with KERAS_BACKEND=tensorflow.
+ON = {"torch": {}, "tensorflow": {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}}
+
+
+def on(backend: str) -> dict:
+    if backend == "tensorflow":
+        pytest.importorskip("tensorflow", reason="needs TensorFlow (make test-examples installs it)")
+    return ON[backend]
+
+
+def run_example(runner, name: str, *args: str, timeout: float, extra_env: dict | None = None) -> str:
+    res = runner.run([sys.executable, str(EXAMPLES / name), "--quick", *args], timeout=timeout, extra_env=extra_env)
     assert res.returncode == 0, res.stdout[-5000:]
     return res.stdout
 
@@ -40,9 +51,10 @@ def test_mnist_convnet_compares_one_device_with_all(runner):
 
 
 @pytest.mark.timeout(150)
-def test_gru_sequences_prints_a_row_per_batch_size_and_device_count(runner):
+@pytest.mark.parametrize("backend", list(ON))
+def test_gru_sequences_prints_a_row_per_batch_size_and_device_count(runner, backend):
     out = run_example(runner, "gru_sequences.py", *TWO_CPUS, "--batch-sizes", "256", "--rows", "1024",
-                      timeout=140)
+                      timeout=140, extra_env=on(backend))
     assert "| batch size | devices | accuracy | validation accuracy | time (s) | speed up |" in out
     rows = [m.groups() for m in re.finditer(
         rf"^\| (\d+) \| (\d+) \| {NUMBER} \| {NUMBER} \| {NUMBER} \| {NUMBER} \|$", out, re.M)]
@@ -56,10 +68,11 @@ def test_gru_sequences_prints_a_row_per_batch_size_and_device_count(runner):
 
 
 @pytest.mark.timeout(120)
-def test_maxing_calibrates_and_reports_samples_per_second(runner):
+@pytest.mark.parametrize("backend", list(ON))
+def test_maxing_calibrates_and_reports_samples_per_second(runner, backend):
     profile = runner.tmp_path / "profile.json"
     out = run_example(runner, "maxing.py", "--devices", "cpu:0,cpu:1@0.5", "--recalibrate",
-                      "--profile", str(profile), timeout=110)
+                      "--profile", str(profile), timeout=110, extra_env=on(backend))
     found = re.search(rf"^calibration found: CPU:0 {NUMBER} samples/s, CPU:1@0.5 {NUMBER} samples/s -> ratios",
                       out, re.M)
     assert found, out
@@ -73,8 +86,9 @@ def test_maxing_calibrates_and_reports_samples_per_second(runner):
 
 
 @pytest.mark.timeout(120)
-def test_dense41m_scales_the_batch_with_the_devices(runner):
-    out = run_example(runner, "dense41m.py", *TWO_CPUS, timeout=110)
+@pytest.mark.parametrize("backend", list(ON))
+def test_dense41m_scales_the_batch_with_the_devices(runner, backend):
+    out = run_example(runner, "dense41m.py", *TWO_CPUS, timeout=110, extra_env=on(backend))
     rows = {m[1].strip(): (int(m[2]), m[3], float(m[4]), float(m[5])) for m in re.finditer(
         rf"^(1 device|2 devices, same batch|2 devices, batch x2) +(\d+) +([\d/]+) +{NUMBER} +{NUMBER}x$",
         out, re.M)}
@@ -89,8 +103,10 @@ def test_dense41m_scales_the_batch_with_the_devices(runner):
 
 
 @pytest.mark.timeout(90)
-def test_migrated_multi_gpu_model_script_trains_saves_and_loads(runner):
-    out = run_example(runner, "migrate_from_multi_gpu_model.py", "--gpus", "2", "--ratios", "3,1", timeout=80)
+@pytest.mark.parametrize("backend", list(ON))
+def test_migrated_multi_gpu_model_script_trains_saves_and_loads(runner, backend):
+    out = run_example(runner, "migrate_from_multi_gpu_model.py", "--gpus", "2", "--ratios", "3,1", timeout=80,
+                      extra_env=on(backend))
     assert "multigpu: 2 device(s): CPU:0 75%, CPU:1 25%" in out, out
     assert "parallel_model is template: True" in out
     assert "predictions match: True" in out, out
