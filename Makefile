@@ -8,7 +8,7 @@ TEST_STAMP := $(VENV)/.installed-tf
 DEMO_BACKEND := $(or $(KERAS_BACKEND),torch)
 export KERAS_BACKEND := torch
 
-.PHONY: demo test test-examples test-outside lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
+.PHONY: demo test test-examples test-outside test-launchers lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ test: $(TEST_STAMP) lint
 # Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI sweep (about 1.5 min).
 test-outside: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/test_examples.py -m outside
+
+# The launchers' tests with a real SLURM (one slurmctld and one slurmd on this machine) and Open MPI's mpirun,
+# installed first from Debian's packages when run as root (`make test` runs the same file and reports those tests
+# as skipped where SLURM or Open MPI is not installed).
+test-launchers: $(STAMP)
+	@command -v srun >/dev/null && command -v mpirun >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get install -y -qq slurm-wlm openmpi-bin >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq slurm-wlm openmpi-bin >/dev/null 2>&1)); } || true
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_launchers.py
 
 # Every example under examples/ end to end with --quick, the notebook in a real kernel on both backends
 # (an outside check, about 3.5 min).

@@ -87,7 +87,7 @@ def parallelize(
     max_batch: Sequence[int | None] | None = None,
     report: bool = False,
     compression: str | None = None,
-    transport: str = "auto",
+    transport: str | None = None,
 ):
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -95,8 +95,14 @@ def parallelize(
     a plain ``python train.py`` with several devices, the first call turns
     this process into the run's supervisor: it runs the script again once per
     device and exits with the run's exit code, so the code after
-    ``parallelize`` runs in the ranks.  Under ``multigpu run`` or ``torchrun``
-    it joins the running group.  With one device it changes nothing.
+    ``parallelize`` runs in the ranks.  Under ``multigpu run`` or an outside
+    launcher (torchrun, ``srun``, ``mpirun``, Kubernetes' torch variables) it
+    joins the running group.  With one device it changes nothing.
+
+    An argument given here wins over the ``MULTIGPU_*`` variable that stands
+    in for it (``multigpu run --ratios/--timeout``, ``MULTIGPU_TRANSPORT``),
+    which counts only where the argument is left unset; when both are set and
+    differ, rank 0 says so in one line.
 
     ``fit``'s ``batch_size`` is the global batch.  It is split across the
     devices in proportion to the shares, and gradients are combined weighted
@@ -133,8 +139,8 @@ def parallelize(
             send gradients in 16 bits (half the bytes; the weighting by share
             stays exact, the sum is rounded).
         transport: how CPU ranks of one machine sum gradients: ``"auto"``
-            (shared memory on x86-64 Linux, else the process group's),
-            ``"shm"`` or ``"gloo"``.
+            (default: shared memory on x86-64 Linux, else the process
+            group's), ``"shm"`` or ``"gloo"``.
 
     Returns:
         The same model object, now parallel.
@@ -159,18 +165,19 @@ def parallelize(
         allowed = ", ".join(["None", *map(repr, facts.compression)])
         raise ValueError(f"`compression` must be one of {allowed} on the {facts.name} backend. "
                          f"Received: compression={compression!r}")
-    transport = os.environ.get(env.TRANSPORT) or transport
+    say = _log_on_rank0(_runtime.rank())
+    transport = env.fallback("transport", transport, env.TRANSPORT, say=say) or "auto"
     if transport not in TRANSPORTS:
         raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
                          f"Received: transport={transport!r}")
-    given = os.environ.get(env.RATIOS) or ratios  # `multigpu run --ratios` wins over the script
+    given = env.fallback("ratios", _as_given(ratios), env.RATIOS, _ratios_text, say=say)
     spec = parse_ratios(given)
     planned = _runtime.planned_devices(devices)  # checks that need the device count, before any process starts
     if planned is not None:
         if spec.kind == "fixed":
             validate_ratios(given if not isinstance(given, str) else spec.values, len(planned))
         _check_caps(max_batch, len(planned))
-    runtime = _runtime.start(devices, timeout)
+    runtime = _runtime.start(devices, timeout, say=say)
     n = runtime.world_size
     if spec.kind == "fixed":
         validate_ratios(spec.values or (), n)
@@ -199,6 +206,26 @@ def parallelize(
                            parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression),
                            backend.get().Steps).install()
     return model
+
+
+def _as_given(ratios):
+    """Ratios as the caller gave them, numbers as floats (to compare with a variable's); None stays None."""
+    if ratios is None or isinstance(ratios, os.PathLike):
+        return ratios
+    if isinstance(ratios, str):
+        return _ratios_text(ratios)
+    try:
+        return [float(r) for r in ratios]
+    except (TypeError, ValueError):
+        return ratios  # parse_ratios says what is wrong with them
+
+
+def _ratios_text(text: str):
+    """A ``MULTIGPU_RATIOS`` value as :func:`_as_given` gives an argument: ``auto`` or a path stays text."""
+    try:
+        return [float(r) for r in text.split(",")]
+    except ValueError:
+        return text
 
 
 def _log_on_rank0(rank_: int):
@@ -237,7 +264,7 @@ def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
             raise ValueError(f"`gpus` must be at least 1. Received: gpus={gpus}")
         kind = "cuda" if backend.gpu_count() else "cpu"
         devices = [f"{kind}:{i}" for i in range(gpus)]
-        if kind == "cpu" and _runtime.rank() == 0 and os.environ.get(env.RANK) is None:
+        if kind == "cpu" and _runtime.rank() == 0 and env.get(env.RANK) is None:
             from multigpu._warn import warn_user
 
             warn_user(f"multi_gpu_model(gpus={gpus}): this machine has no GPU, so it trains on {gpus} CPU devices "

@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from multigpu import env
+
 __all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "parse_devices", "usable_cores"]
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@]+))?$")
@@ -69,7 +71,7 @@ def driver_gpu_count(root: str = "/proc/driver/nvidia/gpus") -> int:
         found = len(os.listdir(root))
     except OSError:
         return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return found
     count = 0

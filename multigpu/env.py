@@ -1,10 +1,15 @@
-"""Every environment variable multigpu reads or sets, in one place.
+"""Every environment variable multigpu reads or sets, in one place, and the only reads of them.
 
-They exist so that the processes a run starts can find each other, and so
-that a launcher (``multigpu run``, ``multigpu.launch``) or the environment
-can decide for a script without editing it: ``MULTIGPU_DEVICES``,
-``MULTIGPU_RATIOS``, ``MULTIGPU_TIMEOUT`` and ``MULTIGPU_TRANSPORT``, when set,
-win over the arguments the script passes to ``parallelize``.
+Nothing else in the package reads ``os.environ`` (``tests/test_launchers.py``
+checks it): modules call :func:`get`, :func:`copy`, :func:`set_default` and
+:func:`pop` here, and the launchers' own variables (torchrun's, SLURM's,
+MPI's) are read by :mod:`multigpu.runtime.environments`.
+
+Variables are wiring between multigpu's own processes, or a fallback for an
+argument the caller left unset: an argument given to ``parallelize`` always
+wins, and where a variable says otherwise the run says so in one line
+(:func:`fallback`).  ``multigpu run --ratios/--timeout`` and
+``multigpu.launch`` set them for scripts that leave the choice open.
 
 * ``MULTIGPU_RANK``, ``MULTIGPU_WORLD_SIZE``: set by the supervisor on every
   process it starts (for ``python train.py`` and ``multigpu run``).
@@ -12,18 +17,20 @@ win over the arguments the script passes to ``parallelize``.
   rendezvous store listens (127.0.0.1 and a free port on one machine).
 * ``MULTIGPU_STORE_FD``: on rank 0 only, the listening socket (opened by the
   supervisor) that rank 0 serves the rendezvous store on.
-* ``MULTIGPU_DEVICES``, ``MULTIGPU_RATIOS``: the device list and ratios of the
-  run, comma-separated; ``multigpu run --devices/--ratios`` sets them and they
-  win over the arguments the script passes to ``parallelize``.
+* ``MULTIGPU_DEVICES``: the device list of a run multigpu's supervisor started
+  (every rank's, comma-separated): the processes are on those devices, so a
+  script's ``devices=`` that lists others is told so, in one line.
+* ``MULTIGPU_RATIOS``: ratios for a script that passes none
+  (``multigpu run --ratios``).
 * ``MULTIGPU_SUPERVISOR_PID``: pid of the process that started the ranks.
 * ``MULTIGPU_RUN_DIR``: a folder of the run where a failing rank writes why it
   failed, for the supervisor's message.
 * ``MULTIGPU_LAUNCH_DIR``: set by ``multigpu.launch`` on its ranks: the folder
   that holds the pickled function, where rank 0 leaves its return value and a
   failing rank its traceback.
-* ``MULTIGPU_TIMEOUT``: seconds a collective may wait before the run fails.
-* ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``: how CPU ranks on one machine
-  sum gradients (default ``auto``: ``shm`` on x86-64 Linux; see ``parallelize(transport=)``).
+* ``MULTIGPU_TIMEOUT``: seconds a collective may wait, for a script that
+  passes no ``timeout`` (``multigpu run --timeout``).
+* ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``, for a script that passes no ``transport``.
 * ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
   ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
 * ``MULTIGPU_REPLAY``: ``0`` runs Keras's own forward pass at every training step on
@@ -35,16 +42,34 @@ win over the arguments the script passes to ``parallelize``.
   first bucket is 1 MiB).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
-* ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT``: read (never set) to join a group started
-  by ``torchrun``.
+* Launchers' variables, read by :mod:`multigpu.runtime.environments` only:
+  torchrun's (and Kubernetes' PyTorchJob's) ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
+  SLURM's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NUM_TASKS``,
+  ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NODELIST``,
+  ``SLURM_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``,
+  ``SLURM_JOB_ID``, ``SLURM_STEP_ID``; Open MPI's ``OMPI_COMM_WORLD_RANK``,
+  ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+  ``OMPI_COMM_WORLD_LOCAL_SIZE``, ``OMPI_MCA_ess_base_jobid``,
+  ``PMIX_NAMESPACE``; PMI's ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
+  ``MPI_LOCALNRANKS``, ``PMI_LOCAL_RANK``, ``PMI_LOCAL_SIZE``,
+  ``PMI_KVSNAME``, ``PMI_JOBID``; and ``JAX_COORDINATOR_ADDRESS`` (where JAX's
+  coordinator listens under an outside launcher; default: ``MASTER_PORT + 1``
+  on the rendezvous host).  Never set.
+* ``CUDA_VISIBLE_DEVICES``: read to number the GPUs a launcher gave the process.
+* ``XDG_CACHE_HOME``: where the profile file goes by default.
 * ``OMP_NUM_THREADS``: set on the processes we start, to their core count.
 * ``KERAS_TORCH_DEVICE``: set on every rank multigpu starts: ``cuda:N`` for a
   GPU rank, ``cpu`` for a CPU rank (Keras's torch backend would otherwise put
   a CPU rank's tensors on a GPU where there is one).
-* ``KERAS_BACKEND``: ``torch`` (the default multigpu sets where unset) or ``jax``; the supervisor
-  passes it on, and on ``jax`` a rank joins the run before the program runs.
+* ``KERAS_BACKEND``: ``torch`` (the default multigpu sets where unset), ``jax`` or ``tensorflow``; the
+  supervisor passes it on, and on JAX and TensorFlow a rank joins the run before the program runs.
 """
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 RANK = "MULTIGPU_RANK"
 WORLD_SIZE = "MULTIGPU_WORLD_SIZE"
@@ -68,12 +93,54 @@ RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVI
             LAUNCH_DIR)
 
 
+def get(name: str, default: str | None = None) -> str | None:
+    """The variable ``name``, or ``default`` when it is unset."""
+    return os.environ.get(name, default)
+
+
+def copy() -> dict[str, str]:
+    """This process's environment, to start another process with."""
+    return dict(os.environ)
+
+
+def set_default(name: str, value: str) -> str:
+    """Sets ``name`` to ``value`` where it is unset; returns what it holds."""
+    return os.environ.setdefault(name, value)
+
+
+def put(name: str, value: str) -> None:
+    """Sets ``name`` for this process and the processes it starts."""
+    os.environ[name] = value
+
+
+def pop(name: str) -> str | None:
+    """Removes ``name`` (a value meant for this process alone, such as an inherited socket); returns it."""
+    return os.environ.pop(name, None)
+
+
+def fallback(argument: str, value, variable: str, parse: Callable[[str], object] = str,
+             say: Callable[[str], None] | None = None):
+    """``value`` when the caller gave one, else the variable's (parsed), else None.
+
+    Args:
+        argument: the argument's name, for the message.
+        value: what the caller passed (None: left unset).
+        variable: the variable that stands in for it.
+        parse: turns the variable's text into a value of the argument's kind.
+        say: where the one line goes when both are set and differ (rank 0's log).
+    """
+    text = os.environ.get(variable)
+    if value is None:
+        return None if not text else parse(text)
+    if text and say is not None and parse(text) != value:
+        say(f"{argument}={value!r} given to parallelize wins over {variable}={text}")
+    return value
+
+
 def keras_backend() -> str:
     """The Keras backend in use: Keras's own once it is imported, else ``KERAS_BACKEND``, else ``torch``."""
     import sys
 
     if "keras" in sys.modules:
         return sys.modules["keras"].backend.backend()
-    import os
-
     return os.environ.get("KERAS_BACKEND") or "torch"

@@ -75,7 +75,7 @@ def note_thread_failure(hook):
 
 def write_note(rank: int, kind: str, text: str) -> None:
     """Leaves ``text`` in the run's folder for the supervisor and the other ranks (no-op outside a run)."""
-    run_dir = os.environ.get(env.RUN_DIR)
+    run_dir = env.get(env.RUN_DIR)
     if not run_dir:
         return
     path = Path(run_dir) / f"rank{rank}.{kind}"

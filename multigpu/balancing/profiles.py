@@ -27,10 +27,10 @@ def default_profile_path() -> Path:
     """``$MULTIGPU_PROFILE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``multigpu/profiles.json``."""
     from multigpu import env
 
-    explicit = os.environ.get(env.PROFILE)
+    explicit = env.get(env.PROFILE)
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "multigpu" / "profiles.json"
 
 

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from multigpu import env
+
 __all__ = ["MODES", "run_config", "solo_devices_config"]
 
 MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "tf-mirrored",
@@ -80,8 +82,8 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         devices = assign_cores(parse_devices(config["devices"]), warn=False)
         command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
                    str(Path(tmp) / "config.json")]
-        env = dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore", **config.get("env", {}))
+        variables = dict(env.copy(), KERAS_BACKEND=env.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
+                         PYTHONWARNINGS="ignore", **config.get("env", {}))
         log_path = Path(tmp) / "output.txt"
         log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
         stdout = None if stream else (log_file or subprocess.DEVNULL)
@@ -91,7 +93,7 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
             cfg["cores"] = list(config.get("cores") or (every if config["mode"] == "tf-mirrored" else devices[0].cores))
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         if alone:
-            proc = subprocess.Popen(command, env=env, preexec_fn=_pinned(cfg["cores"]), stdout=stdout)
+            proc = subprocess.Popen(command, env=variables, preexec_fn=_pinned(cfg["cores"]), stdout=stdout)
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 __all__ = ["main"]
 
+from multigpu import env
 from multigpu.bench.baselines import BASELINES
 from multigpu.bench.clock import timer as _timer
 from multigpu.bench.clock import write as _write
@@ -215,12 +215,12 @@ def _tensorflow_threads(cfg: dict) -> None:
 
 def main(path: str) -> None:
     """Runs the configuration in ``path``."""
-    os.environ.setdefault("KERAS_BACKEND", "torch")
+    env.set_default("KERAS_BACKEND", "torch")
     cfg = json.loads(Path(path).read_text())
     if cfg["mode"] == "keras-dp":  # before JAX starts: one XLA host device per planned device
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={len(cfg['devices'])}").strip()
-    if os.environ["KERAS_BACKEND"] == "tensorflow" and cfg["mode"] in ("single", "tf-mirrored"):
+        env.put("XLA_FLAGS", (env.get("XLA_FLAGS", "") +
+                              f" --xla_force_host_platform_device_count={len(cfg['devices'])}").strip())
+    if env.get("KERAS_BACKEND") == "tensorflow" and cfg["mode"] in ("single", "tf-mirrored"):
         _tensorflow_threads(cfg)
     import keras
 

@@ -7,6 +7,11 @@ hosts the rendezvous on 127.0.0.1 and a free port, starts one process per
 device, and waits.  If a rank fails, the others are stopped, and with
 ``--max-restarts K`` all ranks start again (the script resumes from its own
 ``BackupAndRestore`` state).  The exit code is the script's.
+
+Under an outside launcher (``srun -n 2 multigpu run train.py``, ``mpirun``,
+torchrun) the process already is one rank of a run: it becomes that rank
+(joining before the script runs, which JAX and TensorFlow need) instead of
+starting ranks of its own.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import argparse
 import os
 import sys
 
-from multigpu import backend
+from multigpu import backend, env
 from multigpu.devices import assign_cores, parse_devices
 from multigpu.planning.shares import parse_ratios
+from multigpu.runtime import environments
 from multigpu.runtime.supervisor import Supervisor
 
 
@@ -27,7 +33,8 @@ def add_parser(sub) -> None:
                    help="comma-separated devices, e.g. 0,1 or cpu:0,cpu:1@0.5 (default: auto)")
     p.add_argument("--ratios", default=None,
                    help="comma-separated ratios, e.g. 3,1, 'auto', or a profile .json (default: the script's choice)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may wait, for a script that passes no timeout (default: 60)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all ranks up to K times after a failure")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -39,11 +46,30 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no such script: {args.script!r}; give the path of the Python script to run")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0. Received: {args.max_restarts}")
-    if args.timeout <= 0:
+    if args.timeout is not None and args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0. Received: {args.timeout}")
+    found = environments.detect(env.copy())
+    if found is not None and not found.knows_every_device:
+        return _become_the_rank(args)
     devices = assign_cores(parse_devices(args.devices, num_gpus=backend.gpu_count))
     ratios = None if args.ratios is None else parse_ratios(args.ratios, len(devices)).text()
-    os.environ.setdefault("KERAS_BACKEND", "torch")
+    env.set_default("KERAS_BACKEND", "torch")
     command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "script", args.script, *args.args]
     supervisor = Supervisor(command, devices, args.timeout, ratios=ratios)
     return supervisor.run(max_restarts=args.max_restarts, prefix="multigpu run")
+
+
+def _become_the_rank(args: argparse.Namespace) -> int:
+    """This process is one rank of an outside launcher's run: it runs the script through the rank entry, with
+    ``--devices``, ``--ratios`` and ``--timeout`` as fallbacks for what the script leaves unset."""
+    if args.devices != "auto":
+        env.put(env.DEVICES, args.devices)
+    if args.ratios is not None:
+        env.put(env.RATIOS, args.ratios)
+    if args.timeout is not None:
+        env.put(env.TIMEOUT, f"{args.timeout:g}")
+    env.set_default("KERAS_BACKEND", "torch")
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "multigpu.runtime.rank_entry", "script", args.script,
+                              *args.args])
+    return 0  # pragma: no cover - execv does not return

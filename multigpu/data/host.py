@@ -42,22 +42,18 @@ class Host:
     @classmethod
     def of(cls, runtime, comm, seed: int) -> Host:
         """The host of this rank of ``runtime``."""
-        from multigpu import env
-
-        if runtime.mode == "torchrun":
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            run = os.environ.get("MASTER_PORT", "0")
+        where = runtime.environment
+        if where is None:
+            local_rank, local_size, run = 0, 1, "0"
         else:
-            local_rank, local_size = runtime.rank, runtime.world_size
-            run = os.environ.get(env.MASTER_PORT, "0")
+            local_rank, local_size, run = where.local_rank, where.local_size, str(where.master_port)
         hosts = max(1, runtime.world_size // max(1, local_size))
         label = f"rank {runtime.rank} ({runtime.device.label})"
         return cls(runtime.rank, label, local_rank, local_size, hosts, run, seed, comm)
 
     @property
     def leader(self) -> int:
-        """The global rank of this machine's local rank 0 (torchrun numbers a machine's ranks in a row)."""
+        """The global rank of this machine's local rank 0 (launchers number a machine's ranks in a row)."""
         return self.rank - self.local_rank
 
     def stream(self) -> str:

@@ -54,7 +54,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_environment(rank: int, devices: Sequence, port: int, timeout: float, run_dir: str,
+def rank_environment(rank: int, devices: Sequence, port: int, timeout: float | None, run_dir: str,
                      ratios: str | None = None) -> dict[str, str]:
     """The environment variables that tell a started process who it is.
 
@@ -62,7 +62,7 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float, ru
         rank: the process's rank.
         devices: every rank's device.
         port: the store's port on 127.0.0.1.
-        timeout: seconds a collective may wait.
+        timeout: seconds a collective may wait, for a script that passes none (None: the script's or 60).
         run_dir: the folder for failure reports.
         ratios: ratios given on the command line (``multigpu run --ratios``), if any.
     """
@@ -74,10 +74,11 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float, ru
         env.DEVICES: ",".join(d.spec for d in devices),
         env.SUPERVISOR_PID: str(os.getpid()),
         env.RUN_DIR: run_dir,
-        env.TIMEOUT: f"{timeout:g}",
-        "KERAS_BACKEND": os.environ.get("KERAS_BACKEND") or "torch",
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "KERAS_BACKEND": env.get("KERAS_BACKEND") or "torch",
+        "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
     }
+    if timeout is not None:
+        variables[env.TIMEOUT] = f"{timeout:g}"
     if ratios is not None:
         variables[env.RATIOS] = ratios
     dev = devices[rank]

@@ -31,6 +31,8 @@ import sys
 import threading
 import types
 
+from multigpu import env
+
 KINDS = ("script", "module", "code", "call")
 
 
@@ -64,7 +66,7 @@ def _call(payload: str) -> None:
     with open(payload, "rb") as f:
         fn, args = pickle.load(f)
     result = fn(*args)
-    if os.environ.get("MULTIGPU_RANK", "0") == "0":
+    if env.get(env.RANK, "0") == "0":
         try:
             data = cloudpickle.dumps(result)
         except Exception as exc:
@@ -79,13 +81,13 @@ def _call(payload: str) -> None:
 
 def _note_traceback(exc: BaseException, tb) -> None:
     """Leaves the traceback for :func:`multigpu.launch`, which raises it in the caller."""
-    folder = os.environ.get("MULTIGPU_LAUNCH_DIR")
+    folder = env.get(env.LAUNCH_DIR)
     if not folder:
         return
     import traceback
 
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    path = os.path.join(folder, f"rank{os.environ.get('MULTIGPU_RANK', '0')}.traceback")
+    path = os.path.join(folder, f"rank{env.get(env.RANK, '0')}.traceback")
     try:
         with open(path + ".tmp", "w") as f:
             f.write(text)
@@ -121,11 +123,10 @@ def exit_code(code: object) -> int:
 def _join_early() -> None:
     """On JAX and TensorFlow, joins the run before the program runs: JAX allows it only before its first
     computation, and TensorFlow takes its devices and threads only then."""
-    torchrun = all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-    early = os.environ.get("KERAS_BACKEND") in ("jax", "tensorflow")
-    if (os.environ.get("MULTIGPU_RANK") is not None or torchrun) and early:
-        from multigpu.runtime import start
+    from multigpu.runtime import environments, start
 
+    early = env.get("KERAS_BACKEND") in ("jax", "tensorflow")
+    if early and environments.detect(env.copy()) is not None:
         start()
 
 
@@ -153,7 +154,7 @@ def main(argv: list[str]) -> int:
 
 def _deadline_for_exit() -> float:
     try:
-        return float(os.environ.get("MULTIGPU_TIMEOUT", "60")) + 10.0
+        return float(env.get(env.TIMEOUT) or "60") + 10.0
     except ValueError:
         return 70.0
 

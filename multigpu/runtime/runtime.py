@@ -1,6 +1,7 @@
 """This process's place in a run: starting, joining and ending it.
 
-There is one process per device.  Three ways in:
+There is one process per device.  The ways in, each a launcher class of
+:mod:`multigpu.runtime.environments`:
 
 * **plain ``python train.py``** with several devices: the first
   :func:`multigpu.parallelize` call turns this process into the run's
@@ -9,8 +10,9 @@ There is one process per device.  Three ways in:
   after ``parallelize`` runs in the ranks only;
 * **``multigpu run``**: the command line is the supervisor; each rank's
   ``parallelize`` joins the run from the variables it set;
-* **``torchrun``** (several machines): ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``
-  are set, and ``parallelize`` joins that group.
+* **an outside launcher** (torchrun, ``srun``, ``mpirun``, Kubernetes' torch
+  variables): each process is one rank, and ``parallelize`` joins the group
+  at the rendezvous its launcher gave.
 
 A rank that fails says why (for the supervisor's message) and ends at once:
 every error of a collective, a timeout included, is fatal, because the
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from multigpu import backend, env
 from multigpu.devices import Device, assign_cores, parse_devices
 from multigpu.failure import fail, failed, identify, note_failure, note_thread_failure
+from multigpu.runtime import environments
+from multigpu.runtime.environments import Environment
 from multigpu.runtime.processes import command
 
 __all__ = ["Runtime", "current", "fail", "rank", "rerun_command", "start", "world_size"]
@@ -44,14 +48,15 @@ class Runtime:
         rank: this process's rank.
         world_size: number of processes (devices).
         devices: every rank's device, in rank order.
-        mode: ``"single"``, ``"launched"`` (by multigpu's supervisor) or ``"torchrun"``.
+        environment: the launcher that started this process (None: a process alone, which supervises
+            the ranks it starts itself).
         timeout: seconds a collective may wait.
     """
 
     rank: int
     world_size: int
     devices: list[Device]
-    mode: str
+    environment: Environment | None
     timeout: float
 
     @property
@@ -61,10 +66,8 @@ class Runtime:
 
     @property
     def same_host(self) -> bool:
-        """True when every rank runs on this machine (not under a multi-machine torchrun)."""
-        if self.mode != "torchrun":
-            return True
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == self.world_size
+        """True when every rank runs on this machine."""
+        return self.environment is None or self.environment.same_host
 
 
 def current() -> Runtime | None:
@@ -76,20 +79,24 @@ def rank() -> int:
     """This process's rank: 0 outside a parallel run."""
     if _RUNTIME is not None:
         return _RUNTIME.rank
-    for name in (env.RANK, "RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    found = _detect()
+    return 0 if found is None else found.rank
 
 
 def world_size() -> int:
     """Number of processes in the run: 1 outside a parallel run."""
     if _RUNTIME is not None:
         return _RUNTIME.world_size
-    for name in (env.WORLD_SIZE, "WORLD_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
+    found = _detect()
+    return 1 if found is None else found.world_size
+
+
+def _detect() -> Environment | None:
+    """The launcher of this process (its variables malformed: as alone, the start says why)."""
+    try:
+        return environments.detect(env.copy())
+    except ValueError:
+        return None
 
 
 def rerun_command() -> list[str]:
@@ -123,9 +130,8 @@ def rerun_command() -> list[str]:
     return command([sys.executable, *argv])
 
 
-def _timeout(value) -> float:
-    if os.environ.get(env.TIMEOUT):
-        value = float(os.environ[env.TIMEOUT])
+def _timeout(value, say=None) -> float:
+    value = env.fallback("timeout", value, env.TIMEOUT, float, say)
     if value is None:
         return DEFAULT_TIMEOUT
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -133,24 +139,24 @@ def _timeout(value) -> float:
     return float(value)
 
 
-def planned_devices(devices=None) -> list[Device]:
+def planned_devices(devices=None) -> list[Device] | None:
     """The devices the run will have, without starting anything (for checks before the start).
 
-    Under torchrun only this machine's are known, so None is returned there.
+    Under an outside launcher only this machine's are known, so None is returned there.
     """
-    if os.environ.get(env.RANK) is not None:
-        return parse_devices(os.environ[env.DEVICES], num_gpus=backend.gpu_count)
-    if all(os.environ.get(v) for v in env.TORCHRUN_VARS):
-        return None
-    return parse_devices(os.environ.get(env.DEVICES) or devices, num_gpus=backend.gpu_count)
+    found = environments.detect(env.copy())
+    if found is not None:
+        return parse_devices(env.get(env.DEVICES), num_gpus=backend.gpu_count) if found.knows_every_device else None
+    return parse_devices(devices, num_gpus=backend.gpu_count)
 
 
-def start(devices=None, timeout: float | None = None) -> Runtime:
+def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
     """Starts, joins or (for several devices in a plain script) supervises the run.
 
     Args:
         devices: device specification (see :func:`multigpu.devices.parse_devices`).
-        timeout: seconds a collective may wait before the run fails.
+        timeout: seconds a collective may wait before the run fails (None: ``MULTIGPU_TIMEOUT``, else 60).
+        say: where rank 0 says what an argument changed (an argument that a launcher's variable disagrees with).
 
     Returns:
         This process's :class:`Runtime`.  In the process that supervises a
@@ -160,17 +166,19 @@ def start(devices=None, timeout: float | None = None) -> Runtime:
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME
-    timeout_ = _timeout(timeout)
-    if os.environ.get(env.RANK) is not None:
-        runtime = _launched(timeout_)
-    elif all(os.environ.get(v) for v in env.TORCHRUN_VARS):
-        runtime = _torchrun(devices, timeout_)
+    found = environments.detect(env.copy())
+    say_once = say if found is None or found.rank == 0 else None
+    timeout_ = _timeout(timeout, say_once)
+    if found is not None and found.knows_every_device:
+        runtime = _launched(found, devices, timeout_, say_once)
+    elif found is not None:
+        runtime = _outside(found, devices, timeout_)
     else:
-        parsed = assign_cores(parse_devices(os.environ.get(env.DEVICES) or devices, num_gpus=backend.gpu_count),
-                              warn=True)
+        devices = env.fallback("devices", devices, env.DEVICES, lambda t: t.split(","))
+        parsed = assign_cores(parse_devices(devices, num_gpus=backend.gpu_count), warn=True)
         if len(parsed) > 1:
             _supervise(parsed, timeout_)  # exits
-        runtime = Runtime(0, 1, parsed, "single", timeout_)
+        runtime = Runtime(0, 1, parsed, None, timeout_)
     _bind(runtime)
     _RUNTIME = runtime
     identify(runtime.rank, runtime.device.label)
@@ -180,6 +188,10 @@ def start(devices=None, timeout: float | None = None) -> Runtime:
         threading.excepthook = note_thread_failure(threading.excepthook)
         backend.get().join(runtime)
         atexit.register(_leave)
+        if found is not None and not found.knows_every_device and found.rank == 0:
+            machines = found.world_size // max(1, found.local_size)
+            print(f"multigpu: started by {found.name}: {found.world_size} ranks on {machines} machine(s), "
+                  f"rendezvous at {found.master_addr}:{found.master_port}", flush=True)
     return runtime
 
 
@@ -193,39 +205,44 @@ def _supervise(devices: list[Device], timeout: float) -> None:
     raise SystemExit(code)
 
 
-def _launched(timeout: float) -> Runtime:
-    supervisor = os.environ.get(env.SUPERVISOR_PID, "")
+def _launched(found: Environment, devices, timeout: float, say) -> Runtime:
+    """A rank of multigpu's supervisor: every rank's device is in ``MULTIGPU_DEVICES``."""
+    supervisor = env.get(env.SUPERVISOR_PID, "")
     if supervisor.isdigit() and os.getppid() != int(supervisor):
         os._exit(1)  # the supervisor died before this process could ask to die with it
-    parsed = assign_cores(parse_devices(os.environ[env.DEVICES], num_gpus=backend.gpu_count), warn=False)
-    rank_ = int(os.environ[env.RANK])
-    size = int(os.environ[env.WORLD_SIZE])
-    if size != len(parsed):
-        raise ValueError(f"The run has {size} processes but {len(parsed)} devices: {[d.spec for d in parsed]}. "
-                         "Give one device per process.")
-    return Runtime(rank_, size, parsed, "launched", timeout)
+    text = env.get(env.DEVICES)
+    parsed = assign_cores(parse_devices(text, num_gpus=backend.gpu_count), warn=False)
+    if found.world_size != len(parsed):
+        raise ValueError(f"The run has {found.world_size} processes but {len(parsed)} devices: "
+                         f"{[d.spec for d in parsed]}. Give one device per process.")
+    if say is not None and devices not in (None, "auto", ["auto"]):
+        asked = [d.spec for d in parse_devices(devices, num_gpus=backend.gpu_count)]
+        if asked != [d.spec for d in parsed]:
+            say(f"devices={asked} given to parallelize, but the run's processes were started on "
+                f"{env.DEVICES}={text} (multigpu run --devices): training on those")
+    return Runtime(found.rank, found.world_size, parsed, found, timeout)
 
 
-def _torchrun(devices, timeout: float) -> Runtime:
-    rank_ = int(os.environ["RANK"])
-    size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def _outside(found: Environment, devices, timeout: float) -> Runtime:
+    """A rank of an outside launcher: ``devices`` (else ``MULTIGPU_DEVICES``) lists every rank's device or this
+    machine's (``"auto"``: every GPU here, else one CPU device per local rank); every rank's is learnt when the
+    group is joined."""
+    devices = env.fallback("devices", devices, env.DEVICES, lambda t: t.split(","))
     if devices is None or devices == "auto" or (isinstance(devices, (list, tuple)) and list(devices) == ["auto"]):
         kind = "cuda" if backend.gpu_count() else "cpu"
-        devices = [f"{kind}:{i}" for i in range(local_size)]
-    local = assign_cores(parse_devices(devices, num_gpus=backend.gpu_count), warn=local_rank == 0)
-    if len(local) == size:
-        mine = local[rank_]
-    elif len(local) == local_size:
-        mine = local[local_rank]
+        devices = [f"{kind}:{i}" for i in range(found.local_size)]
+    local = assign_cores(parse_devices(devices, num_gpus=backend.gpu_count), warn=found.local_rank == 0)
+    if len(local) == found.world_size:
+        mine = local[found.rank]
+    elif len(local) == found.local_size:
+        mine = local[found.local_rank]
     else:
         raise ValueError(
-            f"Under torchrun, `devices` lists either every rank's device ({size}) or this machine's "
-            f"({local_size}). Received {len(local)}: {[d.spec for d in local]}"
+            f"Under {found.name}, `devices` lists either every rank's device ({found.world_size}) or this "
+            f"machine's ({found.local_size}). Received {len(local)}: {[d.spec for d in local]}"
         )
     # Every rank's device is known only to its own machine: backend.join gathers them.
-    return Runtime(rank_, size, [mine] * size, "torchrun", timeout)
+    return Runtime(found.rank, found.world_size, [mine] * found.world_size, found, timeout)
 
 
 def _bind(runtime: Runtime) -> None:

@@ -54,7 +54,7 @@ class Supervisor:
         command: the command line of every rank (usually ``python -m
             multigpu.runtime.rank_entry ...``).
         devices: one device per rank, cores assigned.
-        timeout: seconds a collective may wait.
+        timeout: seconds a collective may wait, for ranks whose script passes none (None: 60).
         ratios: ratios given on the command line, passed on to the ranks.
         env_extra: more environment variables for every rank.
         stdout: the ranks' standard output (default: inherited).
@@ -63,12 +63,12 @@ class Supervisor:
             share of them.
     """
 
-    def __init__(self, command: list[str], devices: Sequence, timeout: float, *, ratios: str | None = None,
+    def __init__(self, command: list[str], devices: Sequence, timeout: float | None, *, ratios: str | None = None,
                  env_extra: dict[str, str] | None = None, stdout=None, stderr=None,
                  cores: Sequence[int] | None = None) -> None:
         self.command = list(command)
         self.devices = list(devices)
-        self.timeout = float(timeout)
+        self.timeout = None if timeout is None else float(timeout)
         self.ratios = ratios
         self.env_extra = dict(env_extra or {})
         self.stdout, self.stderr = stdout, stderr
@@ -81,7 +81,7 @@ class Supervisor:
     # ------------------------------------------------------------ one attempt
     def start(self) -> None:
         """Starts every rank."""
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.set_default("GLOO_SOCKET_IFNAME", "lo")
         self.run_dir = tempfile.mkdtemp(prefix="multigpu-run-")
         listener = loopback_listener()
         port = self.port = listener.getsockname()[1]
@@ -89,7 +89,7 @@ class Supervisor:
         self._reported_at = {}
         try:
             for r in range(len(self.devices)):
-                child_env = dict(os.environ)
+                child_env = env.copy()
                 child_env.update(rank_environment(r, self.devices, port, self.timeout, self.run_dir, self.ratios))
                 child_env.update(self.env_extra)
                 fds: tuple[int, ...] = ()

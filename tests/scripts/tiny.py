@@ -115,8 +115,9 @@ def main() -> int:
     if a.out:
         weights = model.get_weights()
         with open(f"{a.out}.rank{rank}.json", "w") as f:
+            shares = multigpu.state(model).shares(a.batch) if multigpu.world_size() > 1 else [a.batch]
             json.dump({"history": hist.history, "epochs": hist.epoch, "weights": [w.tolist() for w in weights],
-                       "world_size": multigpu.world_size()}, f)
+                       "world_size": multigpu.world_size(), "shares": shares}, f)
     print(f"rank {rank} done", flush=True)
     if rank == a.fail_rank and a.fail_where == "end":
         return a.exit_code or 3

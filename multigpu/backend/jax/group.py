@@ -68,7 +68,8 @@ def join(runtime) -> None:
     import jax
 
     if _backends_initialized():
-        how = ("`torchrun ... -m multigpu.runtime.rank_entry script train.py ...`" if runtime.mode == "torchrun"
+        how = ("`multigpu run train.py ...` under it (or `torchrun ... -m multigpu.runtime.rank_entry script "
+               "train.py ...`)" if not runtime.environment.knows_every_device
                else "`python train.py` (parallelize starts the devices) or `multigpu run --devices ... train.py`")
         raise RuntimeError(
             "multigpu on JAX joins a run before the program's first JAX computation, which only a rank that "
@@ -79,10 +80,10 @@ def join(runtime) -> None:
     except Exception as exc:  # an old JAX without XLA's CPU collectives
         raise RuntimeError(f"multigpu on JAX needs XLA's gloo CPU collectives (jax >= 0.5). Received: jax "
                            f"{_jax_version()} ({type(exc).__name__}: {exc})") from exc
-    fd = os.environ.pop(env.STORE_FD, None)
+    fd = env.pop(env.STORE_FD)
     if fd is not None:  # the supervisor's listening socket: free the port for JAX's coordinator
         os.close(int(fd))
-    address = _coordinator(runtime)
+    address = runtime.environment.coordinator
     try:
         jax.distributed.initialize(address, num_processes=runtime.world_size, process_id=runtime.rank,
                                    initialization_timeout=max(1, int(runtime.timeout)))
@@ -94,7 +95,7 @@ def join(runtime) -> None:
         check_platform(runtime.device, jax.local_devices()[0].platform, _jax_version())
     except RuntimeError as exc:
         failure.fail(str(exc))
-    if runtime.mode == "torchrun":
+    if not runtime.environment.knows_every_device:
         _learn_devices(runtime)
 
 
@@ -109,17 +110,8 @@ def _backends_initialized() -> bool:
         return False
 
 
-def _coordinator(runtime) -> str:
-    """Where JAX's coordinator listens: the supervisor's port; under torchrun, ``JAX_COORDINATOR_ADDRESS``
-    or the port after torchrun's own (``MASTER_PORT + 1`` on ``MASTER_ADDR``)."""
-    if runtime.mode == "torchrun":
-        return os.environ.get("JAX_COORDINATOR_ADDRESS") or (
-            f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}")
-    return f"{os.environ.get(env.MASTER_ADDR, '127.0.0.1')}:{os.environ[env.MASTER_PORT]}"
-
-
 def _learn_devices(runtime) -> None:
-    """Under torchrun each machine knows its own devices only: every rank's spec, gathered."""
+    """Under an outside launcher each machine knows its own devices only: every rank's spec, gathered."""
     import numpy as np
     from jax.experimental import multihost_utils
 

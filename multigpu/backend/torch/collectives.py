@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from multigpu import failure
+from multigpu import env, failure
 
 __all__ = ["CollectiveMismatchError", "Comm"]
 
@@ -303,7 +303,7 @@ def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe) ->
 
     write_note(rank, "layout", mine)
     others = []
-    run_dir = os.environ.get("MULTIGPU_RUN_DIR")
+    run_dir = env.get(env.RUN_DIR)
     deadline = time.monotonic() + 2.0
     for q in range(len(sizes)):
         if q == rank:

@@ -3,13 +3,14 @@
 CPU devices use gloo, CUDA devices NCCL.  On one machine the supervisor hosts
 the ``TCPStore`` on 127.0.0.1 and a free port (the listening socket is handed
 to the store, so no other process can take the port between choosing and
-binding it); under torchrun the group is the one torchrun set up.
+binding it); under an outside launcher (torchrun, ``srun``, ``mpirun``) the
+group meets at the rendezvous that launcher gave (torchrun's own store where
+it runs one).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,8 @@ def process_group_backend(runtime) -> str:
 
 def _store(runtime, fd: str | None):
     """The run's TCPStore; rank 0 serves it on the supervisor's socket ``fd``."""
-    args = (os.environ[env.MASTER_ADDR], int(os.environ[env.MASTER_PORT]), runtime.world_size, fd is not None,
+    where = runtime.environment
+    args = (where.master_addr, where.master_port, runtime.world_size, fd is not None,
             datetime.timedelta(seconds=runtime.timeout))
     extra = {"master_listen_fd": int(fd)} if fd is not None else {}
     if fd is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
@@ -43,7 +45,7 @@ def _store(runtime, fd: str | None):
 
 
 def join(runtime, process_group: str | None = None) -> None:
-    """Joins the run's process group (and, under torchrun, learns every rank's device).
+    """Joins the run's process group (and, under an outside launcher, learns every rank's device).
 
     Args:
         runtime: the run.
@@ -53,16 +55,18 @@ def join(runtime, process_group: str | None = None) -> None:
     backend = process_group or process_group_backend(runtime)
     kwargs = {"backend": backend, "rank": runtime.rank, "world_size": runtime.world_size,
               "timeout": datetime.timedelta(seconds=runtime.timeout)}
-    if runtime.mode == "launched":  # rank 0 serves the store on the socket the supervisor opened
-        fd = os.environ.pop(env.STORE_FD, None)
-        kwargs["store"] = _store(runtime, fd)
+    where = runtime.environment
+    if where.knows_every_device:  # multigpu's supervisor: rank 0 serves the store on the socket it opened
+        kwargs["store"] = _store(runtime, env.pop(env.STORE_FD))
+    else:  # torch's TCP rendezvous (a client of torchrun's agent store where torchrun runs one)
+        kwargs["init_method"] = f"tcp://{_host(where.master_addr)}:{where.master_port}"
     if runtime.device.is_cuda and backend == "nccl":
         kwargs["device_id"] = torch.device(f"cuda:{runtime.device.index}")
     try:
         dist.init_process_group(**kwargs)
     except Exception as exc:  # a peer that never came, a store that went away
         failure.fail(f"could not join the run's process group: {type(exc).__name__}: {exc}")
-    if runtime.mode == "torchrun":
+    if not where.knows_every_device:
         from multigpu.devices import parse_devices
 
         specs: list[str | None] = [None] * runtime.world_size
@@ -70,6 +74,10 @@ def join(runtime, process_group: str | None = None) -> None:
         mine = runtime.device
         runtime.devices = [mine if r == runtime.rank else parse_devices([s], num_gpus=10**6)[0]
                            for r, s in enumerate(specs)]
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 def leave(failed: bool) -> None:

@@ -24,7 +24,6 @@ the ranks' collectives stay in step.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 
 def configured_bucket_bytes() -> int:
     """The bucket size in bytes: ``MULTIGPU_BUCKET_MB`` (MiB) when set, else :data:`BUCKET_BYTES`."""
-    text = os.environ.get(env.BUCKET_MB)
+    text = env.get(env.BUCKET_MB)
     if not text:
         return BUCKET_BYTES
     try:

@@ -63,7 +63,6 @@ write them once more).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 
@@ -116,7 +115,7 @@ class ForwardReplay:
         self._record_cost = 0.0  # seconds the last recording took
         if not enabled:
             self.reason: str | None = "disabled"
-        elif os.environ.get(env.REPLAY, "1") == "0":
+        elif env.get(env.REPLAY, "1") == "0":
             self.reason = "MULTIGPU_REPLAY=0"
         elif gaps := internals.missing():
             self.reason = f"torch {torch.__version__} lacks {', '.join(gaps)}"

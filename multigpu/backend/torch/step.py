@@ -21,7 +21,6 @@ weighted sum, and its logs become global in one collective after it.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -295,7 +294,7 @@ def _overlap(comm) -> bool:
     Raises:
         ValueError: ``MULTIGPU_OVERLAP`` is set to anything but ``0`` or ``1``.
     """
-    forced = os.environ.get(env.OVERLAP)
+    forced = env.get(env.OVERLAP)
     if forced:
         if forced not in ("0", "1"):
             raise ValueError(f"{env.OVERLAP} must be 0 (sums after the backward pass) or 1 (during it). "

@@ -1,0 +1,226 @@
+"""Launchers: who started a rank (multigpu, torchrun, SLURM, MPI, Kubernetes' variables), and arguments over variables.
+
+The launcher classes are read from made-up environments here; a real ``slurmd`` (Debian's
+``slurm-wlm``, started by the ``slurm`` fixture as root with ``auth/none``) and a real Open MPI
+``mpirun`` run ``tests/scripts/tiny.py`` on two processes exactly as ``multigpu run`` does on the same
+two devices at 3:1, on torch and JAX. Where SLURM or Open MPI is not installed or cannot start, those
+tests are skipped and say why (``make test-launchers`` installs both).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from multigpu.runtime import environments as envs
+from tests.conftest import SCRIPTS
+from tests.test_launch import read
+
+SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "1433665537"}
+
+
+def test_each_launcher_is_read_from_its_own_variables():
+    s = envs.detect(SLURM)
+    assert isinstance(s, envs.Slurm)
+    assert (s.rank, s.world_size, s.local_rank, s.local_size, s.master_addr) == (3, 4, 1, 2, "gpu07")
+    assert not s.same_host and s.host_leader == 2
+    assert envs.detect(SLURM).master_port == s.master_port  # every task derives the same port
+    assert envs.detect({**SLURM, "MASTER_PORT": "29600", "MASTER_ADDR": "login1"}).master_port == 29600
+    m = envs.detect(OMPI)
+    assert isinstance(m, envs.Mpi) and (m.rank, m.world_size, m.local_rank, m.local_size) == (1, 2, 1, 2)
+    assert m.same_host and m.master_addr == "127.0.0.1"
+    pmi = envs.detect({"PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert isinstance(pmi, envs.Mpi) and pmi.world_size == 2
+    t = envs.detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "LOCAL_RANK": "1",
+                     "LOCAL_WORLD_SIZE": "2"})
+    assert isinstance(t, envs.TorchRun) and t.same_host and t.coordinator == "h:29501"
+    # Kubernetes' PyTorchJob: torch's variables without a local rank, one process per pod
+    k = envs.detect({"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
+    assert isinstance(k, envs.TorchRun) and (k.local_rank, k.local_size, k.same_host) == (0, 1, False)
+    sup = envs.detect({"MULTIGPU_RANK": "1", "MULTIGPU_WORLD_SIZE": "2", "MULTIGPU_MASTER_PORT": "4000"})
+    assert isinstance(sup, envs.Supervised) and sup.knows_every_device and sup.coordinator == "127.0.0.1:4000"
+
+
+def test_a_shell_of_a_batch_script_or_a_single_task_is_a_process_alone():
+    batch_shell = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}  # sbatch's own script: no step
+    assert envs.detect(batch_shell) is None
+    assert envs.detect({**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_STEP_TASKS_PER_NODE": "1"}) is None
+    assert envs.detect({**OMPI, "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}) is None
+    assert envs.detect({}) is None
+
+
+def test_bad_launcher_variables_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"SLURM_PROCID must be an integer. Received: SLURM_PROCID='x'"):
+        envs.detect({**SLURM, "SLURM_PROCID": "x"})
+    with pytest.raises(ValueError, match=r"mpirun -x MASTER_ADDR"):
+        envs.detect({**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})  # two machines, no rendezvous host
+
+
+@pytest.mark.parametrize(("nodelist", "first"), [("vm", "vm"), ("node[03-05,9],gpu1", "node03"),
+                                                 ("a1,a2", "a1"), ("gpu[7]", "gpu7")])
+def test_the_rendezvous_is_on_the_first_node_slurm_lists(nodelist, first):
+    assert envs.first_host(nodelist) == first
+
+
+# ---------------------------------------------------------------- real launchers
+BACKENDS = {"torch": {"KERAS_BACKEND": "torch"}, "jax": {"KERAS_BACKEND": "jax", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}}
+TINY = ["--devices", "auto", "--rows", "50", "--batch", "16", "--ratios", "3,1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """One slurmctld and one slurmd on this machine (auth/none, two CPUs), stopped at the end."""
+    missing = [b for b in ("slurmctld", "slurmd", "srun") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed here ({', '.join(missing)} missing): `make test-launchers` installs "
+                    "Debian's slurm-wlm")
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmd needs root")
+    folder = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir()
+    host = socket.gethostname()
+    conf = folder / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=multigpu", f"SlurmctldHost={host}", f"SlurmctldPort={_free_port()}",
+        f"SlurmdPort={_free_port()}", "AuthType=auth/none", "CredType=cred/none", "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none", "SchedulerType=sched/builtin", "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core", "ReturnToService=2", "SlurmUser=root", "SlurmdUser=root", "MpiDefault=none",
+        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
+        f"SlurmctldPidFile={folder / 'ctld.pid'}", f"SlurmdPidFile={folder / 'd.pid'}",
+        f"SlurmctldLogFile={folder / 'ctld.log'}", f"SlurmdLogFile={folder / 'd.log'}",
+        f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+        f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP", ""]))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    daemons = [subprocess.Popen([d, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT) for d in ("slurmctld", "slurmd")]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, check=False)
+            if state.stdout.strip() in ("idle", "mix"):
+                break
+            if any(d.poll() is not None for d in daemons):
+                break
+            time.sleep(0.5)
+        else:
+            state = None
+        if state is None or state.stdout.strip() not in ("idle", "mix"):
+            log = "".join((folder / f).read_text()[-800:] for f in ("ctld.log", "d.log") if (folder / f).exists())
+            pytest.skip(f"slurmctld/slurmd did not come up here: {log or 'no log'}")
+        yield {"SLURM_CONF": str(conf)}
+    finally:
+        for d in daemons:
+            d.terminate()
+        for d in daemons:
+            try:
+                d.wait(10)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait()
+
+
+def _compare_with_multigpu_run(runner, backend: str, name: str) -> None:
+    one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
+                     "--ratios", "3,1", "--out", "one", timeout=120, extra_env=BACKENDS[backend])
+    assert one.returncode == 0, one.stdout
+    got, ref = read(runner, name, 0), read(runner, "one", 0)
+    assert got["world_size"] == 2
+    for a, b in zip(got["weights"], ref["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    other = read(runner, name, 1)
+    assert other["weights"] == got["weights"]
+    assert runner.leftovers() == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_srun_runs_two_tasks_as_one_run_equal_to_multigpu_run(runner, slurm, backend):
+    """``srun -n 2 python train.py`` (torch) and ``srun -n 2 multigpu run train.py`` (any backend: it joins before
+    the script runs): each task is one rank of one run, not a supervisor of its own."""
+    if backend == "jax":
+        pytest.importorskip("jax")
+    program = ([sys.executable, str(SCRIPTS / "tiny.py")] if backend == "torch" else
+               [sys.executable, "-m", "multigpu", "run", str(SCRIPTS / "tiny.py")])
+    res = runner.run(["srun", "-n", "2", "--kill-on-bad-exit=1", *program, *TINY, "--out", "srun"], timeout=150,
+                     extra_env={**slurm, **BACKENDS[backend]})
+    assert res.returncode == 0, res.stdout
+    assert "multigpu: started by SLURM: 2 ranks on 1 machine(s)" in res.stdout, res.stdout
+    _compare_with_multigpu_run(runner, backend, "srun")
+
+
+def _mpirun() -> list[str]:
+    if shutil.which("mpirun") is None:
+        pytest.skip("Open MPI is not installed here: `make test-launchers` installs Debian's openmpi-bin")
+    return ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none"] + (
+        ["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_mpirun_runs_two_processes_as_one_run_equal_to_multigpu_run(runner, backend):
+    if backend == "jax":
+        pytest.importorskip("jax")
+    program = ([sys.executable, str(SCRIPTS / "tiny.py")] if backend == "torch" else
+               [sys.executable, "-m", "multigpu", "run", str(SCRIPTS / "tiny.py")])
+    res = runner.run([*_mpirun(), *program, *TINY, "--out", "mpi"], timeout=150, extra_env=BACKENDS[backend])
+    assert res.returncode == 0, res.stdout
+    assert "multigpu: started by MPI: 2 ranks on 1 machine(s)" in res.stdout, res.stdout
+    _compare_with_multigpu_run(runner, backend, "mpi")
+
+
+# ------------------------------------------------------ arguments over variables
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_scripts_own_ratios_win_over_multigpu_run_and_the_run_says_so(runner):
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "1,1", str(SCRIPTS / "tiny.py"), "--rows", "64",
+                     "--batch", "16", "--ratios", "3,1", "--out", "args", timeout=90)
+    assert res.returncode == 0, res.stdout
+    assert "multigpu: ratios=[3.0, 1.0] given to parallelize wins over MULTIGPU_RATIOS=1,1" in res.stdout, res.stdout
+    assert read(runner, "args", 0)["shares"] == [12, 4]
+    assert runner.leftovers() == []
+
+
+def test_unset_arguments_fall_back_to_the_variables_and_set_ones_win(monkeypatch):
+    from multigpu import env
+
+    monkeypatch.setenv(env.TRANSPORT, "gloo")
+    assert env.fallback("transport", None, env.TRANSPORT) == "gloo"
+    said: list[str] = []
+    assert env.fallback("transport", "shm", env.TRANSPORT, say=said.append) == "shm"
+    assert said == ["transport='shm' given to parallelize wins over MULTIGPU_TRANSPORT=gloo"]
+    monkeypatch.delenv(env.TRANSPORT)
+    assert env.fallback("transport", None, env.TRANSPORT) is None
+
+
+def test_nothing_below_env_and_the_launchers_reads_the_environment():
+    """Every variable multigpu reads goes through ``multigpu/env.py`` or a launcher class, where it is listed."""
+    root = Path(__file__).resolve().parent.parent / "multigpu"
+    allowed = {root / "env.py", root / "runtime" / "environments.py"}
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path in allowed:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "os.environ" in line or "os.getenv" in line:
+                offenders.append(f"{path.relative_to(root.parent)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
