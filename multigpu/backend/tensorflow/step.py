@@ -115,7 +115,6 @@ class TensorFlowSteps(StepsCore):
 
     # ---------------------------------------------------------- training
     def make_train_function(self, force: bool = False):
-        self._initialize()
         if self._train is None or force:
             self._build_train()
         self.model.train_function = self._train_function
@@ -199,7 +198,24 @@ class TensorFlowSteps(StepsCore):
     def _train_function(self, iterator):
         return self._batches(self._train_batch, iterator)[-1]
 
+    def _ready(self, data) -> None:
+        """Before the first step of any kind: the model, its compiled metrics and loss and its optimizer built
+        from the batch's shapes, as Keras's torch and JAX ``fit`` build them (Keras's TensorFlow trainer leaves
+        that to its traced step, but multigpu's functions take the model's variables when they are made: a
+        ``Sequential`` without an ``Input`` would train nothing), then rank 0's weights everywhere."""
+        if self._initialized:
+            return
+        model = self.model
+        optimizer_unbuilt = model.optimizer is not None and not model.optimizer.built
+        if not model.built or optimizer_unbuilt or not all(layer.built for layer in model.layers):
+            _compat.symbolic_build(model, data)
+            self._train = self._test = None  # made again, with the variables the build created
+        self._initialize()
+
     def _train_batch(self, data) -> dict:
+        self._ready(data)
+        if self._train is None:
+            self._build_train()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
@@ -301,7 +317,6 @@ class TensorFlowSteps(StepsCore):
 
     # ---------------------------------------------------------- evaluation
     def make_test_function(self, force: bool = False):
-        self._initialize()
         if self._test is None or force:
             self._build_test()
         self.model.test_function = self._test_function
@@ -329,6 +344,9 @@ class TensorFlowSteps(StepsCore):
         return self._batches(self._test_batch, iterator)[-1]
 
     def _test_batch(self, data) -> dict:
+        self._ready(data)
+        if self._test is None:
+            self._build_test()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         rows = batch_rows(x)
         self._fresh = None
@@ -343,7 +361,6 @@ class TensorFlowSteps(StepsCore):
 
     # ---------------------------------------------------------- prediction
     def make_predict_function(self, force: bool = False):
-        self._initialize()
         if self._predict is None or force:
             model = self.model
             def predict(data):
@@ -362,6 +379,10 @@ class TensorFlowSteps(StepsCore):
 
     def _predict_batch(self, batch):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        if not self._initialized:  # an unbuilt model (no target to build its metrics with): its layers from one row
+            if not self.model.built:
+                self.model(one_row_of_zeros(x), training=False)
+            self._initialize()
         if batch_rows(x) > 0:
             return self._predict(batch)
         # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
