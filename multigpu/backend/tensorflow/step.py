@@ -77,6 +77,7 @@ class TensorFlowSteps(StepsCore):
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
         self._train = self._test = self._predict = None
         self._applied = False  # the update function has been traced (by the first training step)
+        self._local_results = False  # inside a step run eagerly: metric results are this rank's own
 
     def methods(self) -> dict:
         """What the model instance gets."""
@@ -92,10 +93,19 @@ class TensorFlowSteps(StepsCore):
         because Keras weighs each output's loss by the static batch size
         (``CompileLoss``), and XLA compiles per shape anyway.  The local batch
         sizes sit on a grid of 1/16 of the batch (:mod:`.facts`), so there are
-        few traces.
+        few traces.  Run eagerly, the model's ``compute_metrics`` inside it
+        returns its local results, as it does in a trace (no sum over ranks
+        in the middle of a step: a rank with no rows does not run it).
         """
         if self.model.run_eagerly:
-            return fn
+            def eagerly(*args):
+                self._local_results = True
+                try:
+                    return fn(*args)
+                finally:
+                    self._local_results = False
+
+            return eagerly
         jit = bool(self.model.jit_compile) if jit is None else jit
         if self.global_batchnorm is not None:
             jit = False  # the BatchNorm sums run on the host, inside the step
@@ -396,8 +406,8 @@ class TensorFlowSteps(StepsCore):
                                *(np.asarray(v.numpy(), np.float32).reshape(-1) for v in self.model.metrics_variables)])
 
     def get_metrics_result(self):
-        """Global results; Keras's own (local) ones while TensorFlow traces a function."""
-        if tf.inside_function():
+        """Global results; Keras's own (local) ones while TensorFlow traces a function or a step runs eagerly."""
+        if tf.inside_function() or self._local_results:
             return self.keras_metrics_result()
         if self._fresh is None:
             refs = list(self.model.metrics_variables)
