@@ -54,7 +54,14 @@ _CORRUPTS = ("writes over the backup file on every rank (to corrupt it); in the 
 _EAGER = ("counts how often Keras traces the model's own `train_step` and allows 2; on JAX multigpu runs a "
           "`train_step` of the model's own eagerly, once a step (README, \"On JAX\"), so it counts one a batch. "
           "A limitation of multigpu on JAX.")
+_RAGGED = ("passes a `tf.RaggedTensor` as `x` (TensorFlow only). multigpu refuses it at `fit` on every rank with an "
+           "error naming the input forms it takes: a ragged batch's rows cannot be cut into shares as arrays are. "
+           "A limitation of multigpu on TensorFlow; pad the rows, or batch them in a `tf.data.Dataset` with "
+           "`padded_batch`.")
 EXPLAINED = {
+    "trainers/trainer_test.py::TestTrainer::test_trainer_with_raggeds_functional": _RAGGED,
+    "trainers/trainer_test.py::TestTrainer::test_trainer_with_raggeds_layer": _RAGGED,
+    "trainers/trainer_test.py::TestTrainer::test_trainer_with_raggeds_model": _RAGGED,
     "callbacks/backup_and_restore_test.py::BackupAndRestoreCallbackTest::test_backup_corrupted": _CORRUPTS,
     "trainers/trainer_test.py::TestTrainer::test_retracing": _EAGER,
     "callbacks/csv_logger_test.py::CSVLoggerTest::test_CSVLogger": _DELETES,

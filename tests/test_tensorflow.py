@@ -190,3 +190,19 @@ def test_torchrun_two_machines_on_loopback_on_tensorflow(runner):
     for a, b in zip(tr["weights"], ref["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert runner.leftovers() == []
+
+
+def test_a_model_built_by_fit_trains_as_on_one_device(runner):
+    """A Sequential without an Input is built by the first batch: every variable must be in the step (Keras's
+    own SwapEMAWeights and constraint tests found a model whose variables came too late to be trained)."""
+    args = [str(SCRIPTS / "tiny.py"), "--unbuilt", "--rows", "64", "--batch", "16", "--epochs", "2"]
+    one = runner.run([sys.executable, *args, "--devices", "cpu:0", "--out", "one"], timeout=120, extra_env=ON_TF)
+    assert one.returncode == 0, one.stdout
+    two = runner.run([*RUN, *args, "--ratios", "3,1", "--out", "two"], timeout=120, extra_env=ON_TF)
+    assert two.returncode == 0, two.stdout
+    ref, got = read(runner, "one", 0), read(runner, "two", 0)
+    assert got["world_size"] == 2
+    for a, b in zip(got["weights"], ref["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert got["weights"] == read(runner, "two", 1)["weights"]
+    assert runner.leftovers() == []

@@ -32,6 +32,7 @@ __all__ = [
     "replace_batchnorm_moments",
     "seed_variables",
     "silence_backup_saving",
+    "symbolic_build",
 ]
 
 TESTED = ((3, 10), (3, 17))  # [first, last) minor versions the suite ran with (make compat); pyproject.toml agrees
@@ -69,6 +70,8 @@ def check() -> None:
     model_attrs = ("_compute_loss", "_flatten_layers", "compute_metrics", "get_metrics_result", "train_step")
     if keras.backend.backend() == "jax":
         model_attrs += ("_update_metrics_variables", "compute_loss_and_updates", "metrics_variables")
+    if keras.backend.backend() == "tensorflow":
+        model_attrs += ("_symbolic_build",)
     missing += [f"Model.{a}" for a in model_attrs if not hasattr(keras.Model, a)]
     optimizer_attrs = ("apply", "_trainable_variables")
     missing += [f"Optimizer.{a}" for a in optimizer_attrs[:1] if not hasattr(keras.optimizers.Optimizer, a)]
@@ -110,6 +113,12 @@ def compute_loss(model, x, y, y_pred, sample_weight, training: bool = True):
 def wrap_compute_loss(model, wrapper) -> None:
     """Replaces the model's ``_compute_loss`` (what Keras's steps call) by ``wrapper(_compute_loss)``."""
     object.__setattr__(model, "_compute_loss", wrapper(model._compute_loss))
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds ``model``'s layers, compiled metrics and loss and its optimizer from a batch's shapes, as Keras's
+    torch and JAX ``fit`` do before the first step (``Trainer._symbolic_build``)."""
+    model._symbolic_build(data_batch=data_batch)
 
 
 def loss_tracker(model):

@@ -83,12 +83,13 @@ def main() -> int:
     p.add_argument("--rows-per-rank", action="store_true", help="give each rank a different number of rows")
     p.add_argument("--backup", default=None, help="BackupAndRestore folder")
     p.add_argument("--die-rank", type=int, default=-1, help="this rank kills itself in epoch 2 once")
+    p.add_argument("--unbuilt", action="store_true", help="a Sequential without an Input (built by fit)")
     p.add_argument("--sleep-rank", type=int, default=-1, help="this rank sleeps after its second step")
     p.add_argument("--sleep", type=float, default=0.0, help="for this many seconds")
     p.add_argument("--timeout", type=float, default=20.0, help="parallelize's collective timeout")
     a = p.parse_args()
     keras.utils.set_random_seed(0)
-    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu")]
+    layers = ([] if a.unbuilt else [keras.Input((4,))]) + [keras.layers.Dense(8, activation="relu")]
     if a.bn:
         layers.append(keras.layers.BatchNormalization())
     layers.append(keras.layers.Dense(2, activation="softmax"))

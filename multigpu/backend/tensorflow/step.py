@@ -77,6 +77,7 @@ class TensorFlowSteps(StepsCore):
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
         self._train = self._test = self._predict = None
         self._applied = False  # the update function has been traced (by the first training step)
+        self._local_results = False  # inside a step run eagerly: metric results are this rank's own
 
     def methods(self) -> dict:
         """What the model instance gets."""
@@ -92,10 +93,19 @@ class TensorFlowSteps(StepsCore):
         because Keras weighs each output's loss by the static batch size
         (``CompileLoss``), and XLA compiles per shape anyway.  The local batch
         sizes sit on a grid of 1/16 of the batch (:mod:`.facts`), so there are
-        few traces.
+        few traces.  Run eagerly, the model's ``compute_metrics`` inside it
+        returns its local results, as it does in a trace (no sum over ranks
+        in the middle of a step: a rank with no rows does not run it).
         """
         if self.model.run_eagerly:
-            return fn
+            def eagerly(*args):
+                self._local_results = True
+                try:
+                    return fn(*args)
+                finally:
+                    self._local_results = False
+
+            return eagerly
         jit = bool(self.model.jit_compile) if jit is None else jit
         if self.global_batchnorm is not None:
             jit = False  # the BatchNorm sums run on the host, inside the step
@@ -115,7 +125,6 @@ class TensorFlowSteps(StepsCore):
 
     # ---------------------------------------------------------- training
     def make_train_function(self, force: bool = False):
-        self._initialize()
         if self._train is None or force:
             self._build_train()
         self.model.train_function = self._train_function
@@ -199,7 +208,24 @@ class TensorFlowSteps(StepsCore):
     def _train_function(self, iterator):
         return self._batches(self._train_batch, iterator)[-1]
 
+    def _ready(self, data) -> None:
+        """Before the first step of any kind: the model, its compiled metrics and loss and its optimizer built
+        from the batch's shapes, as Keras's torch and JAX ``fit`` build them (Keras's TensorFlow trainer leaves
+        that to its traced step, but multigpu's functions take the model's variables when they are made: a
+        ``Sequential`` without an ``Input`` would train nothing), then rank 0's weights everywhere."""
+        if self._initialized:
+            return
+        model = self.model
+        optimizer_unbuilt = model.optimizer is not None and not model.optimizer.built
+        if not model.built or optimizer_unbuilt or not all(layer.built for layer in model.layers):
+            _compat.symbolic_build(model, data)
+            self._train = self._test = None  # made again, with the variables the build created
+        self._initialize()
+
     def _train_batch(self, data) -> dict:
+        self._ready(data)
+        if self._train is None:
+            self._build_train()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
@@ -301,7 +327,6 @@ class TensorFlowSteps(StepsCore):
 
     # ---------------------------------------------------------- evaluation
     def make_test_function(self, force: bool = False):
-        self._initialize()
         if self._test is None or force:
             self._build_test()
         self.model.test_function = self._test_function
@@ -329,6 +354,9 @@ class TensorFlowSteps(StepsCore):
         return self._batches(self._test_batch, iterator)[-1]
 
     def _test_batch(self, data) -> dict:
+        self._ready(data)
+        if self._test is None:
+            self._build_test()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         rows = batch_rows(x)
         self._fresh = None
@@ -343,7 +371,6 @@ class TensorFlowSteps(StepsCore):
 
     # ---------------------------------------------------------- prediction
     def make_predict_function(self, force: bool = False):
-        self._initialize()
         if self._predict is None or force:
             model = self.model
             def predict(data):
@@ -362,6 +389,10 @@ class TensorFlowSteps(StepsCore):
 
     def _predict_batch(self, batch):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+        if not self._initialized:  # an unbuilt model (no target to build its metrics with): its layers from one row
+            if not self.model.built:
+                self.model(one_row_of_zeros(x), training=False)
+            self._initialize()
         if batch_rows(x) > 0:
             return self._predict(batch)
         # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
@@ -375,8 +406,8 @@ class TensorFlowSteps(StepsCore):
                                *(np.asarray(v.numpy(), np.float32).reshape(-1) for v in self.model.metrics_variables)])
 
     def get_metrics_result(self):
-        """Global results; Keras's own (local) ones while TensorFlow traces a function."""
-        if tf.inside_function():
+        """Global results; Keras's own (local) ones while TensorFlow traces a function or a step runs eagerly."""
+        if tf.inside_function() or self._local_results:
             return self.keras_metrics_result()
         if self._fresh is None:
             refs = list(self.model.metrics_variables)
