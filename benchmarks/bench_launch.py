@@ -1,6 +1,7 @@
 """What ``multigpu.launch`` costs over ``multigpu run``: start-up and steady samples/s of the same training.
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_launch.py        # ~4 min
+    ... benchmarks/bench_launch.py --ways run,srun,mpirun   # SLURM (SLURM_CONF of a running slurmd) and Open MPI
 
 The same training (the convnet of ``_input_worker.py`` at width 2 on in-memory images, global
 batch 128, ``cpu:0`` and ``cpu:1``, equal shares) three ways, in ``--rounds`` rounds:
@@ -9,7 +10,10 @@ batch 128, ``cpu:0`` and ``cpu:1``, equal shares) three ways, in ``--rounds`` ro
 * ``launch``: ``multigpu.launch(train)`` from a Python process that has imported Keras and
   computed with it first, as a notebook kernel has;
 * ``notebook``: ``multigpu.launch(train)`` in a cell of a real Jupyter kernel (nbclient), with
-  ``train`` defined in the notebook (so it travels pickled by value).
+  ``train`` defined in the notebook (so it travels pickled by value);
+* ``srun``: ``srun -n 2 python SCRIPT`` (a SLURM with a running ``slurmd``: ``SLURM_CONF`` names
+  its configuration), each task one rank on ``cpu:LOCAL_RANK``;
+* ``mpirun``: ``mpirun -np 2 python SCRIPT`` (Open MPI), the same.
 
 Start-up is the time from the command (or the call) to the end of the first training step;
 samples/s is measured after ``--warmup`` steps.  Prints the medians and writes
@@ -76,6 +80,15 @@ with open(sys.argv[3], "w") as f:
 '''
 
 
+# The command lines that start the script on two devices, each ahead of the script and its arguments.
+LAUNCHED = {
+    "run": [sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", "--ratios", "1,1"],
+    "srun": ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable],
+    "mpirun": ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none",
+               *(["--allow-run-as-root"] if os.geteuid() == 0 else []), sys.executable],
+}
+
+
 def _env() -> dict:
     return dict(os.environ, KERAS_BACKEND=os.environ.get("KERAS_BACKEND") or "torch", OMP_NUM_THREADS="1",
                 PYTHONWARNINGS="ignore", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
@@ -84,13 +97,12 @@ def _env() -> dict:
 def one_run(way: str, steps: int, warmup: int, folder: Path) -> dict:
     out = folder / f"{way}.json"
     out.unlink(missing_ok=True)
-    if way == "run":
+    if way in LAUNCHED:
         script = folder / "train_script.py"
         script.write_text(SCRIPT)
         start = time.time()
-        subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", "--ratios", "1,1",
-                        str(script), str(steps), str(warmup), str(out)], env=_env(), check=True, cwd=folder,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        subprocess.run([*LAUNCHED[way], str(script), str(steps), str(warmup), str(out)], env=_env(), check=True,
+                       cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
         result = json.loads(out.read_text())
         result["start"] = start
     elif way == "launch":
@@ -125,9 +137,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--ways", default="run,launch,notebook", help="comma-separated, of run, launch, notebook, srun, "
+                   "mpirun (run is the baseline and always runs)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launch.json"))
     a = p.parse_args()
-    ways = ["run", "launch", "notebook"]
+    ways = ["run", *[w for w in a.ways.split(",") if w != "run"]]
     runs: dict[str, list[dict]] = {w: [] for w in ways}
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-launch-") as tmp:
         for round_ in range(a.rounds):

@@ -170,7 +170,8 @@ def parallelize(
     if transport not in TRANSPORTS:
         raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
                          f"Received: transport={transport!r}")
-    given = env.fallback("ratios", _as_given(ratios), env.RATIOS, _ratios_text, say=say)
+    given = env.fallback("ratios", ratios, env.RATIOS, _ratios_text, say=say,
+                         same=lambda mine, theirs: _as_given(mine) == theirs)
     spec = parse_ratios(given)
     planned = _runtime.planned_devices(devices)  # checks that need the device count, before any process starts
     if planned is not None:

@@ -119,7 +119,7 @@ def pop(name: str) -> str | None:
 
 
 def fallback(argument: str, value, variable: str, parse: Callable[[str], object] = str,
-             say: Callable[[str], None] | None = None):
+             say: Callable[[str], None] | None = None, same: Callable[[object, object], bool] | None = None):
     """``value`` when the caller gave one, else the variable's (parsed), else None.
 
     Args:
@@ -128,11 +128,12 @@ def fallback(argument: str, value, variable: str, parse: Callable[[str], object]
         variable: the variable that stands in for it.
         parse: turns the variable's text into a value of the argument's kind.
         say: where the one line goes when both are set and differ (rank 0's log).
+        same: whether the argument and the parsed variable say the same (default ``==``).
     """
     text = os.environ.get(variable)
     if value is None:
         return None if not text else parse(text)
-    if text and say is not None and parse(text) != value:
+    if text and say is not None and not (same or (lambda a, b: a == b))(value, parse(text)):
         say(f"{argument}={value!r} given to parallelize wins over {variable}={text}")
     return value
 

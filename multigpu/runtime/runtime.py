@@ -147,7 +147,8 @@ def planned_devices(devices=None) -> list[Device] | None:
     found = environments.detect(env.copy())
     if found is not None:
         return parse_devices(env.get(env.DEVICES), num_gpus=backend.gpu_count) if found.knows_every_device else None
-    return parse_devices(devices, num_gpus=backend.gpu_count)
+    return parse_devices(env.fallback("devices", devices, env.DEVICES, lambda t: t.split(",")),
+                         num_gpus=backend.gpu_count)
 
 
 def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
