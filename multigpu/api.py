@@ -88,6 +88,9 @@ def parallelize(
     report: bool = False,
     compression: str | None = None,
     transport: str | None = None,
+    overlap: bool | None = None,
+    bucket_mb: float | None = None,
+    replay: bool | None = None,
 ):
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -141,6 +144,14 @@ def parallelize(
         transport: how CPU ranks of one machine sum gradients: ``"auto"``
             (default: shared memory on x86-64 Linux, else the process
             group's), ``"shm"`` or ``"gloo"``.
+        overlap: on torch, sum gradients in buckets during the backward pass
+            (``True``) or after it (``False``); default: during it between
+            machines and on GPUs, after it for CPU ranks of one machine.
+        bucket_mb: on torch, the size of those buckets in MiB (default 4; the
+            first bucket is 1 MiB).
+        replay: on torch, ``False`` runs Keras's own forward pass at every
+            step instead of replaying its recorded operations (the same
+            numbers either way: for measuring what the replay buys).
 
     Returns:
         The same model object, now parallel.
@@ -167,6 +178,11 @@ def parallelize(
                          f"Received: compression={compression!r}")
     say = _log_on_rank0(_runtime.rank())
     transport = env.fallback("transport", transport, env.TRANSPORT, say=say) or "auto"
+    _check_flag("overlap", overlap, allow_none=True)
+    _check_flag("replay", replay, allow_none=True)
+    overlap = env.fallback("overlap", overlap, env.OVERLAP, _switch(env.OVERLAP), say=say)
+    replay = env.fallback("replay", replay, env.REPLAY, _switch(env.REPLAY), say=say)
+    bucket_mb = _bucket_mb(env.fallback("bucket_mb", bucket_mb, env.BUCKET_MB, _megabytes, say=say))
     if transport not in TRANSPORTS:
         raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
                          f"Received: transport={transport!r}")
@@ -204,9 +220,34 @@ def parallelize(
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)
     balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_rank0(runtime.rank))
     parallel.ParallelModel(model, runtime, comm, balancer,
-                           parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression),
+                           parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression,
+                                            overlap=overlap, bucket_mb=bucket_mb, replay=replay),
                            backend.get().Steps).install()
     return model
+
+
+def _switch(variable: str):
+    """Reads a ``0``/``1`` variable as a bool."""
+    def parse(text: str) -> bool:
+        if text not in ("0", "1"):
+            raise ValueError(f"{variable} must be 0 or 1. Received: {variable}={text!r}")
+        return text == "1"
+    return parse
+
+
+def _megabytes(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{env.BUCKET_MB} is a bucket size in MiB, a number above 0. Received: {text!r}") from None
+
+
+def _bucket_mb(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`bucket_mb` is a bucket size in MiB, a number above 0. Received: bucket_mb={value!r}")
+    return float(value)
 
 
 def _as_given(ratios):

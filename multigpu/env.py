@@ -33,13 +33,9 @@ wins, and where a variable says otherwise the run says so in one line
 * ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``, for a script that passes no ``transport``.
 * ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
   ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
-* ``MULTIGPU_REPLAY``: ``0`` runs Keras's own forward pass at every training step on
-  torch instead of replaying its recorded operations (``multigpu.backend.torch.replay``;
-  the same numbers either way, so it is for measuring what the replay buys).
-* ``MULTIGPU_OVERLAP``: ``1`` sums gradients in buckets during the backward pass, ``0`` after it, on
-  torch (default: during it between machines and on GPUs, after it for CPU ranks of one machine).
-* ``MULTIGPU_BUCKET_MB``: the size of a bucket of overlapped gradient sums, in MiB (default 4; the
-  first bucket is 1 MiB).
+* ``MULTIGPU_REPLAY``, ``MULTIGPU_OVERLAP``, ``MULTIGPU_BUCKET_MB``: ``parallelize``'s ``replay``
+  (``0``/``1``), ``overlap`` (``0``/``1``) and ``bucket_mb`` (MiB) for a script that passes none (on
+  torch; read by ``parallelize`` and handed to the step as values).
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
 * Launchers' variables, read by :mod:`multigpu.runtime.environments` only:

@@ -130,12 +130,16 @@ def test_a_variable_without_gradient_stays_none(group):
         first.value.requires_grad_(True)
 
 
-def test_a_bad_bucket_size_is_refused_when_the_sums_are_set_up(monkeypatch):
-    monkeypatch.setenv("MULTIGPU_BUCKET_MB", "lots")
+def test_a_bad_bucket_size_is_refused_and_a_good_one_reaches_the_sums():
+    from multigpu.api import _bucket_mb, _megabytes
+    from multigpu.backend.torch.step import _bucket_bytes
+
     with pytest.raises(ValueError, match=r"MULTIGPU_BUCKET_MB is a bucket size in MiB.*Received: 'lots'"):
-        GradientSync(GroupComm(), waiting=nullcontext, overlap=True)
-    monkeypatch.setenv("MULTIGPU_BUCKET_MB", "0.5")
-    assert GradientSync(GroupComm(), waiting=nullcontext, overlap=True).bucket_bytes == 1 << 19
+        _megabytes("lots")
+    with pytest.raises(ValueError, match=r"`bucket_mb` is a bucket size in MiB.*Received: bucket_mb=0"):
+        _bucket_mb(0)
+    assert GradientSync(GroupComm(), waiting=nullcontext, overlap=True,
+                        bucket_bytes=_bucket_bytes(_bucket_mb(0.5))).bucket_bytes == 1 << 19
 
 
 class _Device:
@@ -143,7 +147,7 @@ class _Device:
         self.is_cuda = is_cuda
 
 
-def test_overlap_is_chosen_per_transport_and_machine_and_a_bad_setting_is_refused(monkeypatch):
+def test_overlap_is_chosen_per_transport_and_machine_unless_the_caller_chooses():
     from types import SimpleNamespace
 
     from multigpu.backend.torch.step import _overlap
@@ -152,13 +156,9 @@ def test_overlap_is_chosen_per_transport_and_machine_and_a_bad_setting_is_refuse
         runtime = SimpleNamespace(same_host=same_host, devices=[_Device(cuda), _Device(cuda)])
         return SimpleNamespace(world_size=2, transport=transport, runtime=runtime)
 
-    monkeypatch.delenv("MULTIGPU_OVERLAP", raising=False)
     assert not _overlap(comm("shm", True))
     assert not _overlap(comm("gloo", True))  # CPU ranks of one machine: gloo's threads take the cores
     assert _overlap(comm("gloo", False))  # between machines
     assert _overlap(comm("gloo", True, cuda=True))  # GPUs: NCCL beside the computing
-    monkeypatch.setenv("MULTIGPU_OVERLAP", "1")
-    assert _overlap(comm("gloo", True))
-    monkeypatch.setenv("MULTIGPU_OVERLAP", "yes")
-    with pytest.raises(ValueError, match=r"MULTIGPU_OVERLAP must be 0 .* or 1 .*Received: MULTIGPU_OVERLAP='yes'"):
-        _overlap(comm("gloo", False))
+    assert _overlap(comm("gloo", True), forced=True)  # parallelize(overlap=True)
+    assert not _overlap(comm("gloo", False), forced=False)

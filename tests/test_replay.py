@@ -167,12 +167,11 @@ def test_own_layers_keep_keras_pass_and_a_branch_on_data_is_never_recorded(monke
     assert r.recorded == 0 and r.reason.startswith("recording failed")
 
 
-def test_replay_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("MULTIGPU_REPLAY", "0")
-    r = ForwardReplay(_mlp())
+def test_replay_can_be_turned_off():
+    r = ForwardReplay(_mlp(), replay=False)  # parallelize(replay=False), or MULTIGPU_REPLAY=0 where it is unset
     for _ in range(3):
         r(*_data(8), None)
-    assert r.recorded == 0 and r.reason == "MULTIGPU_REPLAY=0"
+    assert r.recorded == 0 and r.reason == "replay=False"
 
 
 def test_a_signature_is_recorded_once_its_steps_took_as_long_as_the_last_recording():

@@ -40,6 +40,9 @@ class Options:
 
     sync_batchnorm: bool = False
     compression: str | None = None
+    overlap: bool | None = None  # torch: sums during the backward pass (None: chosen by the devices and links)
+    bucket_mb: float | None = None  # torch: the overlapped sums' bucket size in MiB (None: 4)
+    replay: bool | None = None  # torch: False keeps Keras's own forward pass at every step
 
 
 @dataclass(frozen=True)

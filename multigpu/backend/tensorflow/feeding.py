@@ -36,7 +36,7 @@ class _Passes(tf.distribute.DistributedDataset):
 
     def __iter__(self) -> Iterator:
         for batch in self._passes():
-            yield keras.tree.map_structure(_tensor, keras.tree.lists_to_tuples(batch), none_is_leaf=True)
+            yield keras.tree.map_structure(_tensor, keras.tree.lists_to_tuples(batch))
 
 
 def dataset(passes: Callable[[], Iterator]) -> tf.distribute.DistributedDataset:

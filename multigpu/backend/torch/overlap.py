@@ -29,27 +29,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from multigpu import env
 from multigpu.backend.torch.flat import WeightedWriter
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucketed", "configured_bucket_bytes"]
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucketed"]
 
-BUCKET_BYTES = 4 << 20  # smaller than DDP's 25 MiB, so that a sum starts sooner; MULTIGPU_BUCKET_MB sets it
+BUCKET_BYTES = 4 << 20  # smaller than DDP's 25 MiB, so that a sum starts sooner; parallelize(bucket_mb=) sets it
 FIRST_BUCKET_BYTES = 1 << 20
-
-
-def configured_bucket_bytes() -> int:
-    """The bucket size in bytes: ``MULTIGPU_BUCKET_MB`` (MiB) when set, else :data:`BUCKET_BYTES`."""
-    text = env.get(env.BUCKET_MB)
-    if not text:
-        return BUCKET_BYTES
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"{env.BUCKET_MB} is a bucket size in MiB, a number above 0. Received: {text!r}")
-    return int(value * (1 << 20))
 
 
 class Bucketed:
@@ -61,7 +46,7 @@ class Bucketed:
         device: where the buffers live.
         tail: float32 values sent after the gradients (flags, extras, header) at most; grows when needed.
         bucket_bytes: a bucket's size in bytes (a variable larger than it is a bucket of its own); default
-            :func:`configured_bucket_bytes`.
+            :data:`BUCKET_BYTES`.
         writer: writes weighted gradients into the buckets (shared with the plain path's sums).
     """
 
@@ -77,7 +62,7 @@ class Bucketed:
         self.offsets = [0] * len(self.tensors)
         self.bucket_of = [0] * len(self.tensors)
         self.buckets: list[tuple[int, int, int]] = []  # (start, end, variables in it)
-        bucket_bytes = bucket_bytes or configured_bucket_bytes()
+        bucket_bytes = bucket_bytes or BUCKET_BYTES
         offset, start, count, cap = 0, 0, 0, FIRST_BUCKET_BYTES
         for i in reversed(range(len(self.tensors))):
             n = self.tensors[i].numel()

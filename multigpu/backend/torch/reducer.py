@@ -44,7 +44,7 @@ from multigpu import failure
 from multigpu._warn import warn_user
 from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.torch.flat import Layout, WeightedWriter
-from multigpu.backend.torch.overlap import Bucketed, configured_bucket_bytes
+from multigpu.backend.torch.overlap import BUCKET_BYTES, Bucketed
 
 __all__ = ["COMPRESSION", "GradientSync", "StepSums"]
 
@@ -84,7 +84,7 @@ class GradientSync:
         waiting: a context manager factory; time inside it counts as waiting.
         compression: ``None``, ``"bf16"`` or ``"fp16"``.
         overlap: sum gradients in buckets during the backward pass (see the module docstring).
-        bucket_bytes: the buckets' size (default: :func:`~multigpu.backend.torch.overlap.configured_bucket_bytes`).
+        bucket_bytes: the buckets' size (default: :data:`~multigpu.backend.torch.overlap.BUCKET_BYTES`).
     """
 
     def __init__(self, comm, waiting: Callable, compression: str | None = None, overlap: bool = False,
@@ -101,7 +101,7 @@ class GradientSync:
         self.writer = WeightedWriter()
         self._unpacked: torch.Tensor | None = None  # float32, the summed 16-bit gradients read back
         self.overlap = overlap
-        self.bucket_bytes = bucket_bytes or configured_bucket_bytes()
+        self.bucket_bytes = bucket_bytes or BUCKET_BYTES
         self._plans: dict[tuple, Bucketed] = {}
         self._expected: list[list] = []  # each optimizer call's variables in the previous step
         self._armed: tuple[int, Bucketed] | None = None  # (call, plan) the hooks write into

@@ -32,7 +32,7 @@ own code (nothing else changes):
 * the first replay of each signature gives the same outputs, loss and
   gradients, bit for bit, as Keras's own pass on the same batch.
 
-``MULTIGPU_REPLAY=0`` in the environment keeps Keras's own pass everywhere.
+``parallelize(replay=False)`` (or ``MULTIGPU_REPLAY=0``) keeps Keras's own pass everywhere.
 
 When to record is a matter of cost.  A recording costs several passes
 (tracing, one checking replay, the gradients of both: 1.5 s for the outside
@@ -69,7 +69,6 @@ from collections import OrderedDict
 import keras
 import torch
 
-from multigpu import env
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import own_method
 from multigpu.backend.torch import internals
@@ -102,21 +101,25 @@ class ForwardReplay:
         model: the Keras model.
         enabled: False keeps Keras's own code for every step (global BatchNorm
             statistics, whose forward pass runs collectives).
+        replay: False keeps Keras's own code too, because the caller asked
+            (``parallelize(replay=False)``: the same numbers either way, so it is
+            for measuring what the replay buys).
         max_graphs: the most input signatures kept, least recently used dropped.
         record_at: the earliest step of a signature at which it is recorded
             (later once the last recording took longer than the signature's
             steps so far through Keras's pass).
     """
 
-    def __init__(self, model, *, enabled: bool = True, max_graphs: int = 8, record_at: int = 2) -> None:
+    def __init__(self, model, *, enabled: bool = True, replay: bool = True, max_graphs: int = 8,
+                 record_at: int = 2) -> None:
         self.model = model
         self.max_graphs = max_graphs
         self.record_at = record_at
         self._record_cost = 0.0  # seconds the last recording took
         if not enabled:
             self.reason: str | None = "disabled"
-        elif env.get(env.REPLAY, "1") == "0":
-            self.reason = "MULTIGPU_REPLAY=0"
+        elif not replay:
+            self.reason = "replay=False"
         elif gaps := internals.missing():
             self.reason = f"torch {torch.__version__} lacks {', '.join(gaps)}"
         else:

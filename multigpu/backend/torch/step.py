@@ -27,7 +27,6 @@ import warnings
 import keras
 import torch
 
-from multigpu import env
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
 from multigpu.backend.steps import StepsCore
@@ -52,11 +51,13 @@ class TorchSteps(StepsCore):
         super().__init__(parallel)
         model = self.model
         self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression,
-                                 overlap=_overlap(self.comm))
+                                 overlap=_overlap(self.comm, parallel.options.overlap),
+                                 bucket_bytes=_bucket_bytes(parallel.options.bucket_mb))
         self.metrics = GlobalMetrics(model, self.comm)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
-        self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm)
+        self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm,
+                                     replay=parallel.options.replay is not False)
         cls = type(model)
         self.user_predict_step = own_method(cls, "predict_step")
         self.keras_test_step = keras.Model.test_step.__get__(model)
@@ -281,8 +282,13 @@ def _move_to(variables, device: torch.device) -> None:
                 value.data = value.data.to(device)
 
 
-def _overlap(comm) -> bool:
-    """Whether gradient sums start during the backward pass (``MULTIGPU_OVERLAP``: ``0``/``1`` decides instead).
+def _bucket_bytes(mb: float | None) -> int | None:
+    return None if mb is None else int(mb * (1 << 20))
+
+
+def _overlap(comm, forced: bool | None = None) -> bool:
+    """Whether gradient sums start during the backward pass (``forced``, from ``parallelize(overlap=)``, decides
+    instead when it is set).
 
     Between machines, and for GPUs, whose collectives run beside their
     computing.  Not for CPU ranks of one machine: there gloo's threads take
@@ -290,16 +296,9 @@ def _overlap(comm) -> bool:
     more than it hides (dense41m at batch 256 over gloo on two cores: 390
     samples/s with it, 475 without, 555 over shared memory;
     benchmarks/RESULTS.md, "Slow links between hosts").
-
-    Raises:
-        ValueError: ``MULTIGPU_OVERLAP`` is set to anything but ``0`` or ``1``.
     """
-    forced = env.get(env.OVERLAP)
-    if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{env.OVERLAP} must be 0 (sums after the backward pass) or 1 (during it). "
-                             f"Received: {env.OVERLAP}={forced!r}")
-        return forced == "1" and comm.world_size > 1
+    if forced is not None:
+        return forced and comm.world_size > 1
     runtime = comm.runtime
     one_machine_cpus = runtime.same_host and not any(d.is_cuda for d in runtime.devices)
     return comm.world_size > 1 and comm.transport != "shm" and not one_machine_cpus
