@@ -68,8 +68,10 @@ bench: $(STAMP)
 
 # The versions pyproject.toml claims, run: one virtual environment per corner under .compat/ (lowest: Keras 3.10,
 # torch 2.4, jax 0.5; newest: keras-nightly, keras-hub-nightly, torch 2.14, jax 0.10), each running the
-# exactness, JAX, keras-hub and keras.applications tests; writes compat/RESULTS.md (an outside check: 7 min
-# once the 12 GB of environments exist, plus their installs the first time).
+# exactness, JAX, keras-hub and keras.applications tests, and two TensorFlow corners (tf-lowest: TensorFlow 2.16,
+# Keras 3.10; tf-newest: TensorFlow 2.21, keras-nightly) running the TensorFlow backend's tests; writes
+# compat/RESULTS.md (an outside check: about 11 min once the environments exist, plus their installs the first
+# time). `bash compat/run.sh tf-lowest` runs one corner.
 compat:
 	bash compat/run.sh
 

@@ -413,7 +413,7 @@ class TensorFlowSteps(StepsCore):
             refs = list(self.model.metrics_variables)
             summed = self.comm.reduce(self._states(), "summing metrics")
             self._fresh = metric_results(self.model, tf.constant(summed), refs, 0)  # eagerly: rare
-        return {k: np.asarray(v) if getattr(v, "shape", ()) else float(v) for k, v in self._fresh.items()}
+        return {k: np.asarray(v) if np.ndim(v) else float(v) for k, v in self._fresh.items()}
 
     def reset_metrics(self):
         self._fresh = None
