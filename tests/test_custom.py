@@ -54,7 +54,7 @@ def test_custom_steps_match_one_device(runner, plain, devices, ratios, transport
     during the backward pass: every custom step stays exact with them."""
     out = runner.tmp_path / "par.npz"
     res = runner.cli("run", "--devices", devices, "--ratios", ratios, str(SCRIPTS / "custom.py"), str(out),
-                     timeout=200, extra_env={"MULTIGPU_TRANSPORT": transport,
+                     "--devices", devices, "--ratios", ratios, timeout=200, extra_env={"MULTIGPU_TRANSPORT": transport,
                                              "MULTIGPU_OVERLAP": "1" if transport == "gloo" else ""})
     assert res.returncode == 0, res.stdout[-4000:]
     got = load(out)
