@@ -194,10 +194,16 @@ def test_mpirun_runs_two_processes_as_one_run_equal_to_one_device(runner, backen
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_scripts_own_ratios_win_over_multigpu_run_and_the_run_says_so(runner):
-    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "1,1", str(SCRIPTS / "tiny.py"), "--rows", "64",
-                     "--batch", "16", "--ratios", "3,1", "--out", "args", timeout=90)
+    """The script's ratios and timeout win; its devices cannot (the processes run where the run started them), and
+    the run says so for each, in one line from rank 0."""
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "1,1", "--timeout", "30", str(SCRIPTS / "tiny.py"),
+                     "--rows", "64", "--batch", "16", "--ratios", "3,1", "--devices", "cpu:1,cpu:0", "--out", "args",
+                     timeout=90)
     assert res.returncode == 0, res.stdout
-    assert "multigpu: ratios=[3.0, 1.0] given to parallelize wins over MULTIGPU_RATIOS=1,1" in res.stdout, res.stdout
+    assert res.stdout.count("multigpu: ratios=[3.0, 1.0] given to parallelize wins over MULTIGPU_RATIOS=1,1") == 1
+    assert "multigpu: timeout=20.0 given to parallelize wins over MULTIGPU_TIMEOUT=30" in res.stdout, res.stdout
+    assert ("multigpu: devices=['cpu:1', 'cpu:0'] given to parallelize, but the run's processes were started on "
+            "MULTIGPU_DEVICES=cpu:0,cpu:1 (multigpu run --devices): training on those") in res.stdout, res.stdout
     assert read(runner, "args", 0)["shares"] == [12, 4]
     assert runner.leftovers() == []
 
