@@ -9,10 +9,8 @@ checkpoints, evaluate, predict).
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,8 +19,8 @@ from tests.conftest import SCRIPTS
 from tests.test_exactness import ROWS, TOLERANCE, load, max_relative_error
 from tests.test_keras import load as load_features
 from tests.test_keras import rel
-from tests.test_launch import _free_port, read
-from tests.test_reliability import LONG, RUN, wait_for
+from tests.test_launch import _free_port, torchrun_matches_one_machine
+from tests.test_reliability import kill_rank_1_mid_epoch
 
 pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
 
@@ -167,33 +165,10 @@ def test_a_custom_jax_train_step_matches_one_device(runner, batchnorm):
 
 
 def test_a_killed_rank_ends_the_jax_run_naming_it(runner):
-    proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG], ON_JAX)
-    m = wait_for(proc, r"rank 1 pid (\d+) training", timeout=90)
-    killed_at = time.monotonic()
-    os.kill(int(m.group(1)), signal.SIGKILL)
-    res = runner.finish(proc, timeout=90)
-    assert time.monotonic() - killed_at < 15
-    assert res.returncode != 0
-    assert "rank 1 (CPU:1) was killed by signal 9" in res.stdout
-    assert runner.leftovers() == []
+    kill_rank_1_mid_epoch(runner, ON_JAX)
 
 
 def test_torchrun_two_machines_on_loopback_on_jax(runner):
     """Several machines: torchrun starts each rank through multigpu's entry, which joins before the script runs."""
-    port, coordinator = str(_free_port()), f"127.0.0.1:{_free_port()}"
-    nodes = [runner.start([
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-        "-m", "multigpu.runtime.rank_entry", "script", str(SCRIPTS / "tiny.py"), "--devices", "auto",
-        "--rows", "50", "--batch", "16", "--ratios", "3,1", "--out", "tr",
-    ], {**ON_JAX, "JAX_COORDINATOR_ADDRESS": coordinator}) for node in range(2)]
-    for r in [runner.finish(p, timeout=120) for p in nodes]:
-        assert r.returncode == 0, r.stdout
-    one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
-                     "--ratios", "3,1", "--out", "one", timeout=90, extra_env=ON_JAX)
-    assert one.returncode == 0, one.stdout
-    tr, ref = read(runner, "tr", 0), read(runner, "one", 0)
-    assert tr["world_size"] == 2
-    for a, b in zip(tr["weights"], ref["weights"]):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert runner.leftovers() == []
+    torchrun_matches_one_machine(runner, {**ON_JAX, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}"},
+                                 through_entry=True)

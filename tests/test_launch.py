@@ -58,26 +58,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_two_machines_on_loopback_match_one_machine(runner):
+def torchrun_matches_one_machine(runner, extra_env: dict, through_entry: bool = False) -> None:
+    """torchrun on two "machines" on loopback (one rank each, on a free port) at 3:1, against ``multigpu run`` on
+    one machine; ``through_entry``: each rank starts through multigpu's entry, which joins before the script
+    (what JAX and TensorFlow need)."""
     port = str(_free_port())
-    nodes = []
-    for node in range(2):
-        nodes.append(runner.start([
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-            str(SCRIPTS / "tiny.py"), "--devices", "auto", "--rows", "50", "--batch", "16",
-            "--ratios", "3,1", "--out", "tr",
-        ], extra_env={"GLOO_SOCKET_IFNAME": "lo"}))
-    for r in [runner.finish(p, timeout=120) for p in nodes]:
+    entry = ["-m", "multigpu.runtime.rank_entry", "script"] if through_entry else []
+    nodes = [runner.start([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+        *entry, str(SCRIPTS / "tiny.py"), "--devices", "auto", "--rows", "50", "--batch", "16",
+        "--ratios", "3,1", "--out", "tr",
+    ], extra_env) for node in range(2)]
+    for r in [runner.finish(p, timeout=150) for p in nodes]:
         assert r.returncode == 0, r.stdout
     one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
-                     "--ratios", "3,1", "--out", "one", timeout=90)
+                     "--ratios", "3,1", "--out", "one", timeout=120, extra_env=extra_env)
     assert one.returncode == 0, one.stdout
     tr, ref = read(runner, "tr", 0), read(runner, "one", 0)
     assert tr["world_size"] == 2
     for a, b in zip(tr["weights"], ref["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert runner.leftovers() == []
+
+
+def test_torchrun_two_machines_on_loopback_match_one_machine(runner):
+    torchrun_matches_one_machine(runner, {"GLOO_SOCKET_IFNAME": "lo"})
 
 
 class _Exited:

@@ -32,9 +32,10 @@ def wait_for(proc, pattern: str, timeout: float = 60.0) -> re.Match:
     pytest.fail(f"{pattern!r} did not appear:\n{seen[-2000:]}")
 
 
-def test_kill_9_of_rank_1_mid_epoch_ends_the_run_naming_it(runner):
-    proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG])
-    m = wait_for(proc, r"rank 1 pid (\d+) training")
+def kill_rank_1_mid_epoch(runner, extra_env: dict | None = None) -> None:
+    """SIGKILL to rank 1 of a long run once it trains: the run ends within 15 s naming it, leaving nothing."""
+    proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG], extra_env)
+    m = wait_for(proc, r"rank 1 pid (\d+) training", timeout=90)
     killed_at = time.monotonic()
     os.kill(int(m.group(1)), signal.SIGKILL)
     res = runner.finish(proc, timeout=90)
@@ -42,6 +43,10 @@ def test_kill_9_of_rank_1_mid_epoch_ends_the_run_naming_it(runner):
     assert res.returncode != 0
     assert "rank 1 (CPU:1) was killed by signal 9" in res.stdout
     assert runner.leftovers() == []
+
+
+def test_kill_9_of_rank_1_mid_epoch_ends_the_run_naming_it(runner):
+    kill_rank_1_mid_epoch(runner)
 
 
 @pytest.mark.parametrize(("sig", "how"), [(signal.SIGTERM, "python"), (signal.SIGINT, "run")])

@@ -11,7 +11,6 @@ feature (``tests/scripts/tensorflow_steps.py``), and ``model.export``.
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -32,8 +31,8 @@ from tests.test_keras import (  # noqa: F401  (test_keras's tests, run again on 
     test_sync_batchnorm_reproduces_one_device,
     test_two_outputs_sample_weight_evaluate_and_predict_match_one_device,
 )
-from tests.test_launch import _free_port, read
-from tests.test_reliability import LONG, RUN, wait_for
+from tests.test_launch import read, torchrun_matches_one_machine
+from tests.test_reliability import RUN, kill_rank_1_mid_epoch, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -145,15 +144,7 @@ ON_TF = {k: v for k, v in ENV.items() if k != "PYTHONWARNINGS"}
 
 
 def test_a_killed_rank_ends_the_tensorflow_run_naming_it(runner):
-    proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG], ON_TF)
-    m = wait_for(proc, r"rank 1 pid (\d+) training", timeout=90)
-    killed_at = time.monotonic()
-    os.kill(int(m.group(1)), signal.SIGKILL)
-    res = runner.finish(proc, timeout=90)
-    assert time.monotonic() - killed_at < 15
-    assert res.returncode != 0
-    assert "rank 1 (CPU:1) was killed by signal 9" in res.stdout
-    assert runner.leftovers() == []
+    kill_rank_1_mid_epoch(runner, ON_TF)
 
 
 def test_a_rank_that_stops_answering_ends_the_tensorflow_run_within_the_timeout(runner):
@@ -173,23 +164,7 @@ def test_a_rank_that_stops_answering_ends_the_tensorflow_run_within_the_timeout(
 def test_torchrun_two_machines_on_loopback_on_tensorflow(runner):
     """Several machines: torchrun starts each rank through multigpu's entry, which binds TensorFlow and joins
     before the script runs; the result equals a one-machine run's."""
-    port = str(_free_port())
-    nodes = [runner.start([
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-        "-m", "multigpu.runtime.rank_entry", "script", str(SCRIPTS / "tiny.py"), "--devices", "auto",
-        "--rows", "50", "--batch", "16", "--ratios", "3,1", "--out", "tr",
-    ], ON_TF) for node in range(2)]
-    for r in [runner.finish(p, timeout=150) for p in nodes]:
-        assert r.returncode == 0, r.stdout
-    one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
-                     "--ratios", "3,1", "--out", "one", timeout=120, extra_env=ON_TF)
-    assert one.returncode == 0, one.stdout
-    tr, ref = read(runner, "tr", 0), read(runner, "one", 0)
-    assert tr["world_size"] == 2
-    for a, b in zip(tr["weights"], ref["weights"]):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert runner.leftovers() == []
+    torchrun_matches_one_machine(runner, ON_TF, through_entry=True)
 
 
 def test_a_model_built_by_fit_trains_as_on_one_device(runner):

@@ -168,15 +168,19 @@ def _keras_dp_run(cfg: dict, spec) -> None:
         cores = len(cfg.get("cores") or [0])
         CpuQuota(float(cfg["capacity"]) / cores, cores).apply()
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices("cpu")))
-    batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
     model = spec.build(float(cfg.get("width", 1.0)))
     spec.compile(model)
+    _fit_whole_batches(cfg, spec, model, devices=[str(d) for d in jax.devices("cpu")])
+
+
+def _fit_whole_batches(cfg: dict, spec, model, **extra) -> None:
+    """One process's Keras ``fit`` on the global batches (a distribution or strategy splits them), timed."""
+    batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
     x, y = spec.data(batch * (steps + warmup), 0)
     timer = _timer(batch, warmup, 0)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
     rate = timer.rate()
-    _write(cfg, {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate,
-                 "devices": [str(d) for d in jax.devices("cpu")]})
+    _write(cfg, {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate, **extra})
 
 
 def _keras_dp_procs_run(cfg: dict, spec) -> None:
@@ -247,17 +251,11 @@ def _tf_mirrored_run(cfg: dict, spec) -> None:
     equal halves of every batch; the one multi-device path Keras 3 has on TensorFlow."""
     import tensorflow as tf
 
-    batch, steps, warmup = int(cfg["batch"]), int(cfg["steps"]), int(cfg.get("warmup", 2))
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    strategy = tf.distribute.MirroredStrategy(devices)
-    with strategy.scope():
+    with tf.distribute.MirroredStrategy(devices).scope():
         model = spec.build(float(cfg.get("width", 1.0)))
         spec.compile(model)
-    x, y = spec.data(batch * (steps + warmup), 0)
-    timer = _timer(batch, warmup, 0)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-    rate = timer.rate()
-    _write(cfg, {"samples_per_second": rate, "loss": timer.loss, "time_per_step": batch / rate, "devices": devices})
+    _fit_whole_batches(cfg, spec, model, devices=devices)
 
 
 BASELINES = {"ddp": _ddp_run, "keras-ddp": _keras_ddp_run, "keras-fit-ddp": _keras_fit_ddp_run,

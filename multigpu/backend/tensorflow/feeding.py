@@ -3,8 +3,8 @@
 Keras's TensorFlow ``fit`` reads its data adapter's ``get_tf_dataset()`` and
 hands the model's train function an iterator over it.  multigpu's adapter
 (:class:`multigpu.keras.data.ShardedData`) yields NumPy batches whose number
-of rows follows the shares, and multigpu's train function is Python (it sums
-between two ``tf.function`` calls: :mod:`.step`), so nothing needs a
+of rows follows the shares, and multigpu's train function is Python (it calls
+the step's ``tf.function`` itself: :mod:`.step`), so nothing needs a
 ``tf.data`` pipeline here: :func:`dataset` gives Keras's loop a
 ``tf.distribute.DistributedDataset`` (which Keras takes as it is) whose
 iterator starts a pass over the adapter and yields each batch as tensors.
