@@ -91,6 +91,7 @@ def parallelize(
     overlap: bool | None = None,
     bucket_mb: float | None = None,
     replay: bool | None = None,
+    min_devices: int | None = None,
 ):
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -124,6 +125,13 @@ def parallelize(
             ``"auto"`` when the devices differ and equal shares otherwise.
         timeout: seconds a collective may wait for another rank before the
             run fails (default 60).
+        min_devices: go on without a device that is lost (its process
+            killed, crashed, or silent for 5 s) while at least this many are
+            left: the others take its rows, from the step it was lost in,
+            and the result stays exact.  ``None`` (default): a lost device
+            ends the run.  On torch under ``python train.py``,
+            ``multigpu run`` and ``multigpu.launch``, for arrays and tensors
+            (``MULTIGPU_MIN_DEVICES`` when unset).
         sync_batchnorm: compute BatchNormalization's batch statistics over
             the whole global batch, so a BatchNorm model reproduces the
             single-device run; by default each device normalises over its
@@ -204,6 +212,7 @@ def parallelize(
         spec, auto = _from_profile(spec, n)
     elif spec.kind == "default":
         auto = _devices_differ(runtime.devices, facts)
+    min_devices = _min_devices(env.fallback("min_devices", min_devices, env.MIN_DEVICES, int, say=say), n)
     from multigpu.keras import parallel
 
     if n == 1:
@@ -218,7 +227,9 @@ def parallelize(
     comm = _COMMS.get(id(runtime))
     if comm is None:
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)
-    balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_rank0(runtime.rank))
+    if min_devices is not None and min_devices < n:
+        _allow_shrink(runtime, comm, min_devices, facts, say)
+    balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_leader(comm))
     parallel.ParallelModel(model, runtime, comm, balancer,
                            parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression,
                                             overlap=overlap, bucket_mb=bucket_mb, replay=replay),
@@ -268,6 +279,38 @@ def _ratios_text(text: str):
         return [float(r) for r in text.split(",")]
     except ValueError:
         return text
+
+
+def _min_devices(value, n: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= n:
+        raise ValueError(f"`min_devices` is the fewest devices the run goes on with: an integer from 1 to the "
+                         f"{n} devices. Received: min_devices={value!r}")
+    return value
+
+
+def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
+    """Lets the run go on without a lost device, where the backend and the launcher can (else says why not)."""
+    from multigpu import membership
+
+    supervised = runtime.environment is not None and runtime.environment.knows_every_device
+    if facts.name != "torch" or not supervised or not env.get(env.RUN_DIR):
+        where = (f"the {facts.name} backend" if facts.name != "torch"
+                 else f"{runtime.environment.name if runtime.environment else 'this launcher'}")
+        say(f"min_devices={min_devices}: on {where} a lost device ends the run (restart it with "
+            "BackupAndRestore); going on without one needs torch under multigpu's own supervisor")
+        return
+    comm.min_devices = min_devices
+    membership.allow_shrink(runtime.rank, min_devices)
+    membership.start_heartbeat(runtime.rank)
+
+
+def _log_on_leader(comm):
+    def log(message: str) -> None:
+        if comm.rank == getattr(comm, "leader", 0):
+            print(f"multigpu: {message}", flush=True)
+    return log
 
 
 def _log_on_rank0(rank_: int):

@@ -36,6 +36,10 @@ wins, and where a variable says otherwise the run says so in one line
 * ``MULTIGPU_REPLAY``, ``MULTIGPU_OVERLAP``, ``MULTIGPU_BUCKET_MB``: ``parallelize``'s ``replay``
   (``0``/``1``), ``overlap`` (``0``/``1``) and ``bucket_mb`` (MiB) for a script that passes none (on
   torch; read by ``parallelize`` and handed to the step as values).
+* ``MULTIGPU_MIN_DEVICES``: ``parallelize``'s ``min_devices`` for a script that passes none
+  (``multigpu run --min-devices``).
+* ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
+  (:mod:`multigpu.membership`); never set it in a real run.
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
 * Launchers' variables, read by :mod:`multigpu.runtime.environments` only:
@@ -83,6 +87,8 @@ PROFILE = "MULTIGPU_PROFILE"
 REPLAY = "MULTIGPU_REPLAY"
 OVERLAP = "MULTIGPU_OVERLAP"
 BUCKET_MB = "MULTIGPU_BUCKET_MB"
+MIN_DEVICES = "MULTIGPU_MIN_DEVICES"
+FAULT = "MULTIGPU_FAULT"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

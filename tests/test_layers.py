@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "multigpu"
 # bottom to top; each entry is a top-level module or folder of multigpu/
 LAYERS = [
     {"env", "_warn"},
-    {"failure", "devices", "throttle", "planning", "datasets"},
+    {"failure", "membership", "devices", "throttle", "planning", "datasets"},
     {"balancing", "_keras"},
     {"data", "backend"},
     {"runtime", "keras"},

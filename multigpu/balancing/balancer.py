@@ -112,6 +112,21 @@ class LoadBalancer:
         self._epoch = self._empty_epoch()
         self._changed = False
         self.advice = Advice(self.devices, log, options.compression)
+        self.lost: list[int] = []  # ranks lost during the run: their share is 0 from then on
+
+    def drop(self, ranks: Sequence[int]) -> None:
+        """Gives lost ranks no rows from now on; the others keep their shares relative to each other.
+
+        The search stops: the shares of the devices left are the ones it had
+        found (or the fixed ratios), and the profile is not written again.
+        """
+        for r in ranks:
+            if r not in self.lost:
+                self.lost.append(r)
+                self.ratios[r] = 0.0
+        self.search = None
+        self._window = _Window()
+        self._changed = False
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
@@ -196,7 +211,7 @@ class LoadBalancer:
         self._start_search()
 
     def _start_search(self) -> None:
-        if not (self.options.rebalance and self.calibrated and self.batch_size and self.world_size > 1):
+        if not (self.options.rebalance and self.calibrated and self.batch_size and self.world_size > 1) or self.lost:
             return
         if self.search is None or self.search.batch_size != self.batch_size:
             self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
@@ -279,7 +294,7 @@ class LoadBalancer:
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
         self.advice.epoch(epoch, e)
-        if self._changed and self.options.auto:
+        if self._changed and self.options.auto and not self.lost:
             self._save_profile()
         return self.last_report
 

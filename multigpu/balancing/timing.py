@@ -47,7 +47,8 @@ class StepRecord:
     input: tuple[float, ...] = ()
 
     @classmethod
-    def from_vector(cls, values: Sequence[float], world_size: int, complete: bool = False) -> StepRecord | None:
+    def from_vector(cls, values: Sequence[float], world_size: int, complete: bool = False,
+                    members: Sequence[int] | None = None) -> StepRecord | None:
         """Reads the summed vector that :meth:`StepTiming.vector` filled on each rank.
 
         Args:
@@ -55,10 +56,12 @@ class StepRecord:
             world_size: the number of ranks.
             complete: return None unless every rank reported (a rank that
                 discarded its step makes the whole step no measurement).
+            members: the ranks still in the run (default: all); a lost rank's slots stay empty.
         """
         n = world_size
         parts = [tuple(float(v) for v in values[i * n : (i + 1) * n]) for i in range(len(FIELDS))]
-        if not any(parts[0]) or (complete and not all(parts[0])):
+        present = range(n) if members is None else members
+        if not any(parts[0]) or (complete and not all(parts[0][r] for r in present)):
             return None  # no rank (or, with ``complete``, not every rank) had a finished step to report
         return cls(parts[0], parts[1], parts[2], tuple(round(s) for s in parts[3]), parts[4])
 

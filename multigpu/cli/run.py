@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait, for a script that passes no timeout (default: 60)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all ranks up to K times after a failure")
+    p.add_argument("--min-devices", type=int, default=None,
+                   help="go on without a lost device while this many are left, for a script that passes no "
+                        "min_devices (torch; default: a lost device ends the run)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -53,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
         return _become_the_rank(args)
     devices = assign_cores(parse_devices(args.devices, num_gpus=backend.gpu_count))
     ratios = None if args.ratios is None else parse_ratios(args.ratios, len(devices)).text()
+    if args.min_devices is not None:
+        if not 1 <= args.min_devices <= len(devices):
+            raise ValueError(f"--min-devices must be from 1 to the {len(devices)} devices. "
+                             f"Received: {args.min_devices}")
+        env.put(env.MIN_DEVICES, str(args.min_devices))
     env.set_default("KERAS_BACKEND", "torch")
     command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "script", args.script, *args.args]
     supervisor = Supervisor(command, devices, args.timeout, ratios=ratios)

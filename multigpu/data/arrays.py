@@ -65,15 +65,20 @@ class ArraySource:
         else:
             self.order = rng.permutation(self.rows)
 
-    def batches(self, plan_of: Callable[[int], StepPlan]) -> Iterator[tuple]:
+    def batches(self, plan_of: Callable[..., StepPlan]) -> Iterator[tuple]:
+        """This rank's rows of each global batch; ``plan_of(rows, again=cut)`` plans each (``cut(plan)`` cuts
+        the same batch by another plan)."""
         for step in range(self.num_batches):
             start = step * self.batch_size
-            plan = plan_of(min(self.batch_size, self.rows - start))
-            begin, end = plan.rows(plan.rank, start)
-            index = slice(begin, end) if self.order is None else self.order[begin:end]
-            parts = [None if p is None else keras.tree.map_structure(lambda a, i=index: _take(a, i), p)
-                     for p in self.parts]
-            yield keras.utils.pack_x_y_sample_weight(*parts)  # as Keras's array adapter: x alone is not a tuple
+            cut = lambda plan, start=start: self._cut(plan, start)  # noqa: E731
+            yield cut(plan_of(min(self.batch_size, self.rows - start), again=cut))
+
+    def _cut(self, plan: StepPlan, start: int) -> tuple:
+        begin, end = plan.rows(plan.rank, start)
+        index = slice(begin, end) if self.order is None else self.order[begin:end]
+        parts = [None if p is None else keras.tree.map_structure(lambda a, i=index: _take(a, i), p)
+                 for p in self.parts]
+        return keras.utils.pack_x_y_sample_weight(*parts)  # as Keras's array adapter: x alone is not a tuple
 
     def close(self) -> None:
         pass

@@ -111,7 +111,7 @@ def _agree_with(comm, rank: int) -> Callable:
     def agree(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         data = pickle.dumps(flat.tolist()) if flat.dtype == object else flat.tobytes()
         digest = hashlib.blake2b(data + b"|" + lengths.tobytes(), digest_size=8).hexdigest()
-        if len(set(comm.gather_objects(digest, "comparing the DataLoader's batches"))) == 1:
+        if len({d for d in comm.gather_objects(digest, "comparing the DataLoader's batches") if d is not None}) == 1:
             return flat, lengths
         if rank == 0 and not said:
             said.append(True)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import keras
 
+from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu.planning.plan import StepPlan, StepPlanner
 
@@ -72,8 +73,10 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
             self.planner.reset()  # plans of a pass Keras left early (a peek to build the model) are never trained on
         plans: list[StepPlan] = []
 
-        def plan_of(total: int) -> StepPlan:
-            plan = self.planner.plan(total, for_step=self.training)
+        def plan_of(total: int, again=None) -> StepPlan:
+            if again is not None and convert:
+                again = lambda plan, cut=again: _to_backend(cut(plan))  # noqa: E731
+            plan = self.planner.plan(total, for_step=self.training, again=again)
             plans.append(plan)
             return plan
 
@@ -92,6 +95,7 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
                     batch = next(batches)
                 except StopIteration:
                     return
+                membership.at("input", self.planner.rank)
                 batch = _to_backend(batch) if convert else batch
                 if self.input_time is not None:
                     self.input_time(time.perf_counter() - start)

@@ -81,8 +81,13 @@ class Loops:
         method.__doc__ = ours.__doc__
         return method
 
+    @property
+    def _writer(self) -> int:
+        """0 on the rank that prints and writes (rank 0, or the lowest one left after it was lost), else 1."""
+        return 0 if self.rank == getattr(self.parallel.comm, "leader", 0) else 1
+
     def _verbose(self, verbose):
-        return verbose if self.rank == 0 else 0
+        return verbose if self._writer == 0 else 0
 
     def _data(self, x, y, sample_weight, batch_size, shuffle, seed, what: str, training: bool) -> ShardedData:
         p = self.parallel
@@ -136,7 +141,7 @@ class Loops:
         try:
             history = self.keras["fit"](
                 train, epochs=epochs, verbose=self._verbose(verbose),
-                callbacks=[EpochHooks(p, train), *for_rank(callbacks, self.rank)], validation_data=val,
+                callbacks=[EpochHooks(p, train), *for_rank(callbacks, self._writer)], validation_data=val,
                 shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                 validation_steps=validation_steps, validation_freq=validation_freq,
             )
@@ -165,7 +170,7 @@ class Loops:
         data = self._data(x, y, sample_weight, batch_size, False, None, "evaluate", training=False)
         try:
             result = self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
-                                            callbacks=for_rank(callbacks, self.rank), return_dict=return_dict,
+                                            callbacks=for_rank(callbacks, self._writer), return_dict=return_dict,
                                             **kwargs)
         finally:
             data.close()
@@ -180,7 +185,7 @@ class Loops:
         data = self._data(x, None, None, batch_size, False, None, "predict", training=False)
         try:
             out = self.keras["predict"](data, verbose=self._verbose(verbose), steps=steps,
-                                        callbacks=for_rank(callbacks, self.rank))
+                                        callbacks=for_rank(callbacks, self._writer))
         finally:
             data.close()
         return self._gather([plan.sizes for plan in data.plans], out)
@@ -188,18 +193,24 @@ class Loops:
     def _gather(self, sizes: list[tuple[int, ...]], out):
         """Every rank's rows, in their global order (step by step, rank by rank)."""
         parts = self.parallel.comm.gather_objects(out, "gathering predictions")
-        offsets = [0] * self.world_size
-        starts = [0]
-        for r in range(self.world_size - 1):
-            starts.append(starts[-1] + sum(s[r] for s in sizes))
+        present = [r for r in range(self.world_size) if parts[r] is not None]
+        missing = [r for r in range(self.world_size) if parts[r] is None and any(s[r] for s in sizes)]
+        if missing:
+            raise RuntimeError(f"multigpu: rank(s) {missing} were lost during predict() with rows of it; call "
+                               "predict() again (the ranks left take every row).")
+        offsets = dict.fromkeys(present, 0)
+        starts, total = {}, 0
+        for r in present:
+            starts[r] = total
+            total += sum(s[r] for s in sizes)
         order = []
         for step in sizes:
-            for r, n in enumerate(step):
+            for r in present:
                 begin = starts[r] + offsets[r]
-                order.extend(range(begin, begin + n))
-                offsets[r] += n
+                order.extend(range(begin, begin + step[r]))
+                offsets[r] += step[r]
         index = np.asarray(order, dtype=np.int64)
-        return keras.tree.map_structure(lambda *leaves: np.concatenate(leaves)[index], *parts)
+        return keras.tree.map_structure(lambda *leaves: np.concatenate(leaves)[index], *[parts[r] for r in present])
 
     # ------------------------------------------------------------- on_batch
     def _cut(self, batch: tuple, training: bool):

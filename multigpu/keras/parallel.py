@@ -19,6 +19,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
+from multigpu import membership
 from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
@@ -63,6 +64,8 @@ class State:
         quantum: local batch sizes are multiples of this many rows (JAX's automatic shares: 1/16 of the batch).
         overlap: whether the last training step summed its gradients in buckets while its backward pass ran
             (torch, between machines or on GPUs; see ``MULTIGPU_OVERLAP``).
+        lost: the devices lost during the run, oldest first: ``rank``, ``device``, ``why`` and ``at`` (Unix
+            time) each; their share is 0 from then on.
     """
 
     rank: int
@@ -75,6 +78,7 @@ class State:
     caps: list[int | None] | None = field(default=None)
     quantum: int = 1
     overlap: bool = False
+    lost: list[dict] = field(default_factory=list)
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
@@ -113,6 +117,15 @@ class ParallelModel:
         self.keras["export_folder"] = lambda path, overwrite=True, **kw: export(path, **kw)
         self.steps = steps(self)
         self.loops = Loops(self)
+        self.lost: list[dict] = []
+        if hasattr(comm, "on_regroup"):
+            method = weakref.WeakMethod(self._regrouped)
+            comm.on_regroup(lambda members: method() and method()(members))
+
+    def _regrouped(self, members) -> None:
+        """A rank was lost: its shares go to the others from the next plan on (the step plans its batch again)."""
+        self.lost = [dict(e) for e in members.lost]
+        self.balancer.drop([e["rank"] for e in members.lost])
 
     def signature(self) -> str:
         """The model's profile signature."""
@@ -139,14 +152,19 @@ class ParallelModel:
         When Keras refuses the call on rank 0 (a wrong extension, an unknown
         argument), every rank raises the same error.
         """
-        error: Exception | None = None
-        result = None
-        try:
-            result = atomic_save(self.keras[method], filepath, self.runtime.rank, overwrite, **kwargs)
-        except Exception as exc:
-            error = exc
-        failed = self.comm.sum_floats([1.0 if error is not None else 0.0],
-                                      f"waiting for rank 0 to write {os.fspath(filepath)!r}")[0]
+        while True:
+            leader = getattr(self.comm, "leader", 0)
+            error: Exception | None = None
+            result = None
+            membership.at("save", self.runtime.rank)
+            try:
+                result = atomic_save(self.keras[method], filepath, self.runtime.rank - leader, overwrite, **kwargs)
+            except Exception as exc:
+                error = exc
+            failed = self.comm.sum_floats([1.0 if error is not None else 0.0],
+                                          f"waiting for rank {leader} to write {os.fspath(filepath)!r}")[0]
+            if getattr(self.comm, "leader", 0) == leader:
+                break  # else the writer was lost: the next rank writes it
         if failed:
             described = self.comm.gather_objects(
                 None if error is None else (type(error).__name__, str(error)), "sharing a saving error")
@@ -177,7 +195,7 @@ class ParallelModel:
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
-                     b.quantum, bool(getattr(self.steps, "overlapping", False)))
+                     b.quantum, bool(getattr(self.steps, "overlapping", False)), list(self.lost))
 
 
 def _is_parallel_model(model) -> bool:

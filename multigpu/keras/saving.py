@@ -22,7 +22,7 @@ def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **
     Args:
         write: Keras's own ``save``, ``save_weights`` or ``export`` of the model (a file or a folder).
         filepath: the target.
-        rank: this rank; other ranks write nothing.
+        rank: this rank's place after the writer (0: this rank writes; the others write nothing).
         overwrite: as in Keras (an existing file is left alone when False).
     """
     if rank != 0:

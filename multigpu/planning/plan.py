@@ -10,6 +10,11 @@ data path asks it to plan each global batch as it cuts it, and the training
 step takes the plans back in the same order (a batch is produced right before
 its step, so the queue holds one plan, two at most).  The gradient weight of a
 rank is ``plan.local / plan.total``.
+
+Where the data can cut a batch again (arrays held in memory), each plan comes
+with a way to do so: when a device is lost during a step, the step plans the
+same global batch again over the devices left and takes its new rows
+(:meth:`StepPlanner.again`).
 """
 
 from __future__ import annotations
@@ -105,20 +110,35 @@ class StepPlanner:
     def __init__(self, shares: Callable[[int], Sequence[int]], rank: int) -> None:
         self._shares = shares
         self.rank = rank
-        self._queue: deque[StepPlan] = deque()
+        self._queue: deque[tuple[StepPlan, Callable | None]] = deque()
+        self._current: dict[bool, tuple[StepPlan, Callable | None]] = {}  # for_step -> the batch being stepped on
 
-    def plan(self, total: int, *, for_step: bool = True) -> StepPlan:
+    def plan(self, total: int, *, for_step: bool = True, again: Callable[[StepPlan], object] | None = None
+             ) -> StepPlan:
         """The plan of a global batch of ``total`` rows.
 
         Args:
             total: rows in the global batch.
             for_step: queue the plan for the training step (training data);
                 ``False`` for evaluation and prediction.
+            again: cuts this rank's rows of the same global batch by another
+                plan (None where the data cannot: it was read once).
         """
         plan = StepPlan(tuple(self._shares(total)), self.rank)
         if for_step:
-            self._queue.append(plan)
+            self._queue.append((plan, again))
+        else:
+            self._current[False] = (plan, again)
         return plan
+
+    def again(self, for_step: bool = True) -> tuple[StepPlan, object] | None:
+        """The batch being stepped on, planned again by the shares now: ``(plan, this rank's rows)``, or None
+        where its data cannot cut it again."""
+        plan, again = self._current.get(for_step, (None, None))
+        if plan is None or again is None:
+            return None
+        plan = StepPlan(tuple(self._shares(plan.total)), self.rank)
+        return plan, again(plan)
 
     def take(self, local_rows: int) -> StepPlan:
         """The oldest queued plan: the one of the batch this step received.
@@ -132,7 +152,8 @@ class StepPlanner:
                 "multigpu: a training step ran on a batch that multigpu did not cut. Feed training data "
                 "through fit(), train_on_batch() or a model parallelized with multigpu.parallelize()."
             )
-        plan = self._queue.popleft()
+        plan, again = self._queue.popleft()
+        self._current[True] = (plan, again)
         if plan.local != local_rows:
             self._queue.clear()
             raise RuntimeError(
@@ -144,3 +165,4 @@ class StepPlanner:
     def reset(self) -> None:
         """Forgets batches cut but never trained on (a peek, an interrupted epoch)."""
         self._queue.clear()
+        self._current.clear()

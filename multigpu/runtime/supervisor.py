@@ -14,7 +14,11 @@ does not train; it
   still alive, stuck in C++ code say), gives the others a moment to end on
   their own, then stops them, and names the rank, its device and the reason;
 * on SIGINT/SIGTERM stops every rank;
-* restarts all ranks after a failure, ``max_restarts`` times.
+* restarts all ranks after a failure, ``max_restarts`` times;
+* where the ranks allow it (``parallelize(min_devices=)``), goes on without a
+  rank that died by a signal or stopped beating (:mod:`multigpu.membership`):
+  it ends that process and writes the new record of members, and the others
+  go on.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from multigpu import env
+from multigpu import env, membership
 from multigpu.failure import read_failure
 from multigpu.runtime.processes import die_with_parent, loopback_listener, rank_environment, stop_processes
 
@@ -77,6 +81,7 @@ class Supervisor:
         self.run_dir: str | None = None
         self.port: int | None = None
         self._reported_at: dict[int, float] = {}
+        self.lost: dict[int, str] = {}  # rank -> why it was lost
 
     # ------------------------------------------------------------ one attempt
     def start(self) -> None:
@@ -87,6 +92,7 @@ class Supervisor:
         port = self.port = listener.getsockname()[1]
         self.procs = []
         self._reported_at = {}
+        self.lost = {}
         try:
             for r in range(len(self.devices)):
                 child_env = env.copy()
@@ -117,6 +123,8 @@ class Supervisor:
         now = time.time()
         failed = []
         for r, p in enumerate(self.procs):
+            if r in self.lost:
+                continue
             code = p.poll()
             said = self._said_at(r)
             if code not in (None, 0):
@@ -141,14 +149,60 @@ class Supervisor:
         return float("inf")
 
     def wait(self) -> tuple[int, int | None]:
-        """Waits until every rank succeeded or one failed; returns ``(code, failed rank or None)``."""
+        """Waits until every rank succeeded or one failed; returns ``(code, failed rank or None)``.
+
+        A rank lost while the others may go on without it (see :meth:`_lose`) is not a failure.
+        """
         while True:
-            failure = self.failure()
-            if failure is not None:
+            failure = self.failure() or self._hung()
+            if failure is not None and not self._lose(*failure):
                 return failure
-            if all(p.poll() == 0 for p in self.procs):
+            if all(p.poll() == 0 for r, p in enumerate(self.procs) if r not in self.lost):
                 return 0, None
             time.sleep(POLL)
+
+    def _hung(self) -> tuple[int, int] | None:
+        """``(-SIGSTOP, rank)`` for a rank that stopped beating in a run that may shrink."""
+        if not self.run_dir or not membership.shrink_allowed(self.run_dir, range(len(self.procs))):
+            return None
+        now = time.time()
+        for r, p in enumerate(self.procs):
+            age = membership.beat_age(self.run_dir, r, now)
+            if r not in self.lost and p.poll() is None and age is not None and age > membership.LOST_AFTER:
+                return -signal.SIGSTOP, r
+        return None
+
+    def _lose(self, code: int, rank: int) -> bool:
+        """Goes on without ``rank`` if it died by a signal or hung and the ranks left may go on; returns whether.
+
+        The process is ended (a stopped one killed) before the new record of members is written, so that it
+        can no longer touch what the others share.
+        """
+        left = [r for r in range(len(self.procs)) if r != rank and r not in self.lost]
+        floor = membership.shrink_allowed(self.run_dir, left) if self.run_dir else None
+        if code >= 0 or floor is None or read_failure(self.run_dir, rank):
+            return False
+        proc = self.procs[rank]
+        why = ("stopped answering (no heartbeat for "
+               f"{membership.LOST_AFTER:g} s)" if code == -signal.SIGSTOP else _describe_code(code))
+        label = self.devices[rank].label
+        if len(left) < floor:
+            print(f"multigpu: rank {rank} ({label}) {why}; {len(left)} device(s) left "
+                  f"({', '.join(self.devices[r].label for r in left)}), fewer than min_devices={floor}: "
+                  "ending the run.", file=sys.stderr, flush=True)
+            return False
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.lost[rank] = why
+        old = membership.read(self.run_dir)
+        record = membership.Members(
+            (old.generation if old else 0) + 1, tuple(left),
+            (*(old.lost if old else ()), {"rank": rank, "device": label, "why": why, "at": time.time()}))
+        membership.write(self.run_dir, record)
+        print(f"multigpu: rank {rank} ({label}) {why}; going on with {len(left)} device(s): "
+              f"{', '.join(self.devices[r].label for r in left)}.", file=sys.stderr, flush=True)
+        return True
 
     def describe_failure(self, code: int, rank: int) -> str:
         """``rank 1 (CPU:1) exited with code 1: <the reason the rank gave>``."""

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from multigpu import env, failure
+from multigpu import env, failure, membership
+from multigpu.membership import PeerLost
 
 __all__ = ["CollectiveMismatchError", "Comm"]
 
@@ -59,6 +60,11 @@ class Comm:
         self.runtime = runtime
         self.rank = runtime.rank
         self.world_size = runtime.world_size
+        # The ranks still in the run (all but lost ones) and this rank's place among them: the process group's.
+        self.members: list[int] = list(range(self.world_size))
+        self.generation = 0
+        self.min_devices: int | None = None  # set by a run that may go on without a lost device
+        self._on_regroup: list[Callable[[membership.Members], None]] = []
         self.host = host
         cuda = runtime.device.is_cuda and not host
         self.device = torch.device(f"cuda:{runtime.device.index}") if cuda else torch.device("cpu")
@@ -84,21 +90,103 @@ class Comm:
             return "shm" if usable else "gloo"
         return transport
 
+    # ------------------------------------------------------------- members
+    @property
+    def group_rank(self) -> int:
+        """This rank's place in the process group (its rank, until a device is lost)."""
+        return self.members.index(self.rank)
+
+    @property
+    def leader(self) -> int:
+        """The rank that writes, logs and saves: rank 0, or the lowest one left after rank 0 was lost."""
+        return self.members[0]
+
+    def on_regroup(self, listener: Callable[[membership.Members], None]) -> None:
+        """Calls ``listener(members)`` after each new group of survivors (the shares drop the lost devices)."""
+        self._on_regroup.append(listener)
+
+    def _peer_lost(self) -> membership.Members | None:
+        """The new record of members if a peer was lost (waits for the supervisor's word for a moment)."""
+        if self.min_devices is None:
+            return None
+        return membership.await_change(env.get(env.RUN_DIR), self.generation, membership.LOST_AFTER + 2.0)
+
+    def regroup(self, members: membership.Members) -> None:
+        """Leaves the broken process group and forms one of the survivors (a new generation).
+
+        The engine's own group again: gloo (or NCCL) over a file store in the
+        run's folder, named by generation, so that no survivor meets a
+        process of the old group.
+        """
+        if members.generation <= self.generation:
+            return
+        import datetime
+
+        dead = [r for r in self.members if r not in members.members]
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - a group broken beyond its own cleanup
+            pass
+        self.members, self.generation = list(members.members), members.generation
+        if self.rank not in self.members:
+            failure.fail("the supervisor declared this rank lost")
+        run_dir = env.get(env.RUN_DIR)
+        store = dist.FileStore(os.path.join(run_dir, f"store-{members.generation}"), len(self.members))
+        kwargs = {}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        try:
+            dist.init_process_group(self._group_backend, store=store, rank=self.group_rank,
+                                    world_size=len(self.members),
+                                    timeout=datetime.timedelta(seconds=self.runtime.timeout), **kwargs)
+        except Exception as exc:
+            failure.fail(f"could not form a group of the ranks left ({self.members}) after losing {dead}: "
+                         f"{type(exc).__name__}: {exc}")
+        if self._shm is not None:
+            self._shm = _SharedMemory(self, self.runtime.timeout)
+        for listener in self._on_regroup:
+            listener(members)
+
+    @property
+    def _group_backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _lost_or_fail(self, what: str, exc: Exception) -> None:
+        """After a collective failed: :class:`PeerLost` when a peer was lost and the run goes on, else the end."""
+        members = self._peer_lost()
+        if members is not None:
+            self.regroup(members)
+            raise PeerLost(members) from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
+            first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
+                     f"(gloo: {first.rsplit('] ', 1)[-1]})")
+            failure.fail(f"{what} failed: TimeoutError: {first}")
+        failure.fail(f"{what} failed: {type(exc).__name__}: {first}")
+
+    def _again_after_loss(self, call: Callable[[], object]):
+        """``call()``, made again over the survivors when a peer is lost during it (for collectives whose
+        inputs do not depend on who is in the run)."""
+        while True:
+            try:
+                return call()
+            except PeerLost:
+                continue
+
     # ------------------------------------------------------------- errors
     @contextmanager
     def fatal(self, what: str):
-        """Any error in the block ends this rank, naming ``what`` failed."""
+        """Any error in the block ends this rank, naming ``what`` failed (or, in a run that goes on without a
+        lost peer, forms the group of the survivors and raises :class:`PeerLost`)."""
         try:
             yield
-        except CollectiveMismatchError as exc:
+        except (CollectiveMismatchError, PeerLost) as exc:
+            if isinstance(exc, PeerLost):
+                self.regroup(exc.members)
+                raise
             failure.fail(str(exc))
         except Exception as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
-                first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
-                         f"(gloo: {first.rsplit('] ', 1)[-1]})")
-                failure.fail(f"{what} failed: TimeoutError: {first}")
-            failure.fail(f"{what} failed: {type(exc).__name__}: {first}")
+            self._lost_or_fail(what, exc)
 
     # ------------------------------------------------------- the step's sum
     def buffer(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -129,39 +217,52 @@ class Comm:
         with self.fatal(what):
             if self._shm is not None and self._shm.owns(buf):
                 return self._shm.reduce(buf, tag, describe)
+            membership.at("sum", self.rank)
             dist.all_reduce(buf)
             return buf
 
     # ------------------------------------------------------- rare collectives
     def sum_floats(self, values: Sequence[float], what: str = "a collective") -> list[float]:
         """Sums a short list of floats over ranks (float64)."""
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        with self.fatal(what):
-            dist.all_reduce(t)
-        return t.tolist()
+        def call() -> list[float]:
+            t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+            with self.fatal(what):
+                dist.all_reduce(t)
+            return t.tolist()
+        return self._again_after_loss(call)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0,
                   what: str = "broadcasting the initial weights") -> None:
-        """Copies rank ``src``'s tensors into every rank's (one flat broadcast per dtype)."""
+        """Copies rank ``src``'s tensors (the leader's, once ``src`` is lost) into every rank's (one flat
+        broadcast per dtype)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        with self.fatal(what):
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
-                dist.broadcast(flat, src)
-                offset = 0
-                with torch.no_grad():
-                    for t in group:
-                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                        offset += t.numel()
+
+        def call() -> None:
+            origin = self.members.index(src if src in self.members else self.leader)
+            with self.fatal(what):
+                for group in by_dtype.values():
+                    flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
+                    dist.broadcast(flat, origin)
+                    offset = 0
+                    with torch.no_grad():
+                        for t in group:
+                            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                            offset += t.numel()
+        self._again_after_loss(call)
 
     def gather_objects(self, obj, what: str = "gathering results") -> list:
-        """Every rank's ``obj``, in rank order."""
-        out: list = [None] * self.world_size
-        with self.fatal(what):
-            dist.all_gather_object(out, obj)
-        return out
+        """Every rank's ``obj``, in rank order (None for a lost rank)."""
+        def call() -> list:
+            got: list = [None] * len(self.members)
+            with self.fatal(what):
+                dist.all_gather_object(got, obj)
+            out: list = [None] * self.world_size
+            for r, value in zip(self.members, got):
+                out[r] = value
+            return out
+        return self._again_after_loss(call)
 
     def check_same(self, value: int, what: str) -> None:
         """Raises the same error on every rank when the ranks disagree on ``value``.
@@ -169,22 +270,27 @@ class Comm:
         Used for data lengths: ranks that disagree would take different
         numbers of steps and wait for each other until the timeout.
         """
-        values = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        values[self.rank] = int(value)
-        with self.fatal(f"checking {what}"):
-            dist.all_reduce(values)
-        got = [int(v) for v in values.tolist()]
+        def call() -> list[int]:
+            values = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+            values[self.rank] = int(value)
+            with self.fatal(f"checking {what}"):
+                dist.all_reduce(values)
+            return [int(values[r]) for r in self.members]
+        got = self._again_after_loss(call)
         if len(set(got)) > 1:
-            detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(got))
+            detail = ", ".join(f"rank {r}: {v}" for r, v in zip(self.members, got))
             raise ValueError(f"The ranks received different data: {what} differ ({detail}). Every rank must "
                              "see the same data (build or load it the same way on every rank).")
 
     def shared_seed(self) -> int:
-        """A random number rank 0 draws, the same on every rank."""
-        seed = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64, device=self.device)
-        with self.fatal("sharing a seed"):
-            dist.broadcast(seed, 0)
-        return int(seed.item())
+        """A random number the leader draws, the same on every rank."""
+        def call() -> int:
+            seed = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64,
+                                device=self.device)
+            with self.fatal("sharing a seed"):
+                dist.broadcast(seed, 0)
+            return int(seed.item())
+        return self._again_after_loss(call)
 
 
 class _SharedMemory:
@@ -202,7 +308,7 @@ class _SharedMemory:
 
     def __init__(self, comm: Comm, timeout: float) -> None:
         self.comm = comm
-        self.rank, self.world = comm.rank, comm.world_size
+        self.rank, self.world = comm.group_rank, len(comm.members)
         self.timeout = timeout
         self.capacity = 0  # bytes per slot
         self.mm: mmap.mmap | None = None
@@ -258,18 +364,31 @@ class _SharedMemory:
 
     def _wait(self, flags: np.ndarray, s: int, phase: str) -> None:
         spins = 0
-        deadline = 0.0
+        deadline = look = 0.0
         while int(flags.min()) < s:
             spins += 1
             if spins < 200:
                 continue
             now = time.monotonic()
             if deadline == 0.0:
-                deadline = now + self.timeout
+                deadline, look = now + self.timeout, now + 0.01
             elif now > deadline:
-                late = [r for r in range(self.world) if int(flags[r]) < s]
+                late = [self.comm.members[r] for r in range(self.world) if int(flags[r]) < s]
                 raise TimeoutError(f"rank(s) {late} did not {phase} within {self.timeout:g} s")
+            elif now > look and self.comm.min_devices is not None:
+                look = now + 0.01
+                self._check_members(flags, s)
             time.sleep(0.00005)
+
+    def _check_members(self, flags: np.ndarray, s: int) -> None:
+        """Raises :class:`PeerLost` when a rank this call waits for was declared lost (one that already did its
+        part is not waited for: the others finish the call with it)."""
+        found = membership.read(env.get(env.RUN_DIR))
+        if found is None or found.generation <= self.comm.generation:
+            return
+        missing = [self.comm.members[r] for r in range(self.world) if int(flags[r]) < s]
+        if any(r not in found.members for r in missing):
+            raise PeerLost(found)
 
     def reduce(self, buf: torch.Tensor, tag: int, describe: Callable[[], str] | None) -> torch.Tensor:
         nbytes, _ = self._pending  # type: ignore[misc]
@@ -279,6 +398,7 @@ class _SharedMemory:
         self.sizes[self.rank] = nbytes
         self.tags[self.rank] = tag
         self.arrived[self.rank] = s
+        membership.at("sum", self.comm.rank)
         self._wait(self.arrived, s, "reach the collective")
         sizes, tags = [int(v) for v in self.sizes], [int(v) for v in self.tags]
         if len(set(sizes)) > 1 or len(set(tags)) > 1:

@@ -44,6 +44,8 @@ class GlobalMetrics:
         self._layouts: dict[str, tuple[list[str], list[str]]] = {}  # phase -> (extra keys, all keys)
         self._plan_key: tuple | None = None  # the metrics the plan below was decided for
         self._plan: list[tuple[str, int, int]] | None = None  # plain means read from the states (or None)
+        self._kept: torch.Tensor | None = None  # this rank's states before the step (runs that may lose a rank)
+        self._summed: torch.Tensor | None = None  # every rank's states summed, as of the last sum
 
     # ------------------------------------------------------------ states
     def variables(self) -> list:
@@ -163,6 +165,40 @@ class GlobalMetrics:
         """A metric changed (a step started, metrics were reset)."""
         self._fresh = None
 
+    # ------------------------------------------------------------ a lost rank
+    def keep(self) -> None:
+        """Keeps this rank's states before a step, to take the step again after a lost rank."""
+        self._kept = self.vector().clone()
+
+    def forget(self) -> None:
+        """The metrics were reset: no rank has counted anything yet."""
+        self._summed = None
+
+    def load(self, states: torch.Tensor) -> None:
+        """Writes ``states`` (flat, as :meth:`vector` gives them) into the metric variables."""
+        offset = 0
+        with torch.no_grad():
+            for v in self.variables():
+                n = v.value.numel()
+                v.value.copy_(states[offset : offset + n].reshape(v.value.shape).to(v.value.dtype))
+                offset += n
+        self._fresh = None
+
+    def take_over(self, comm) -> None:
+        """After a rank was lost during a step: every rank back to its states before the step, and the leader
+        adds what the lost ranks had counted (the last sum less the survivors' part), so that the global
+        results go on as if nothing was lost."""
+        kept = self._kept
+        if kept is None:
+            return
+        self.load(kept)
+        if self._summed is None:
+            return
+        survivors = torch.tensor(comm.sum_floats(kept.tolist(), "summing the metrics of the ranks left"),
+                                 dtype=torch.float32)
+        if comm.rank == comm.leader:
+            self.load(kept + (self._summed - survivors))
+
     # ------------------------------------------------------------ a step's logs
     def pack(self, logs: dict | None, rows: int, timing: list[float], phase: str) -> torch.Tensor:
         """The vector a step sends: metric states, extra logs times rows, rows, timings.
@@ -208,6 +244,8 @@ class GlobalMetrics:
         n_states = sum(v.value.numel() for v in self.variables())
         n_extra = len(extra_keys)
         states = summed[:n_states]
+        if self.comm.min_devices is not None:  # a run that may lose a rank: its counts stay known
+            self._summed = torch.tensor(states, dtype=torch.float32)
         extra = summed[n_states : n_states + n_extra]
         rows = summed[n_states + n_extra]
         timing = summed[n_states + n_extra + 1 : n_states + n_extra + 1 + n_timing]
@@ -238,7 +276,8 @@ class GlobalMetrics:
         buf[: state.numel()].copy_(state)
         buf[-1] = 1.0
         summed = self.comm.reduce(buf, tag=state.numel() % 2039 + 1, what="summing metrics")
-        self._fresh = self.results(summed[: state.numel()].clone())
+        self._summed = summed[: state.numel()].clone().cpu()
+        self._fresh = self.results(self._summed)
         return self._fresh
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from multigpu import failure
+from multigpu import failure, membership
 from multigpu._warn import warn_user
 from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.torch.flat import Layout, WeightedWriter
@@ -127,6 +127,7 @@ class GradientSync:
             variables = list(variables)
             sync.step.log.append((original, variables))
             grads = sync.reduce(list(grads), variables)
+            membership.at("update", sync.comm.rank)
             return original(grads, trainable_variables)
 
         object.__setattr__(optimizer, "apply", apply)
@@ -328,7 +329,7 @@ class GradientSync:
             self.writer.write(target[o : o + shape.numel()], g, weight)
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
-        world = float(self.comm.world_size)
+        world = float(len(self.comm.members))
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.backend.torch.collectives import CollectiveMismatchError
             failure.fail(str(CollectiveMismatchError(

@@ -17,6 +17,12 @@ One global batch, followed from the data to the weights:
 A model class that overrides ``train_step`` (or ``test_step``,
 ``predict_step``) keeps its own step: its optimizer calls go through the same
 weighted sum, and its logs become global in one collective after it.
+
+When a rank is lost during a step (:mod:`multigpu.membership`), its sum
+raises :class:`~multigpu.membership.PeerLost` before any weight changed: the
+step puts back what its forward pass changed (metric states, non-trainable
+variables such as BatchNorm's moving statistics), plans the same global batch
+over the ranks left, and runs again on its new rows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import warnings
 import keras
 import torch
 
+from multigpu import failure, membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
 from multigpu.backend.steps import StepsCore
@@ -105,6 +112,52 @@ class TorchSteps(StepsCore):
         plan = self.balancer.planner.take(batch_rows(x))
         if not self.balancer.calibrated:
             self._calibrate_on(x, y, sample_weight, plan)
+        while True:
+            kept = self._keep()
+            try:
+                return self._train_on(data, x, y, sample_weight, plan)
+            except membership.PeerLost as lost:
+                data, plan = self._after_loss(lost, kept, for_step=True)
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+    # ---------------------------------------------------------- a lost rank
+    def _keep(self) -> list | None:
+        """In a run that may lose a rank: the states a step changes before its sum (kept to take it again)."""
+        if self.comm.min_devices is None:
+            return None
+        self.metrics.keep()
+        return [v.value.detach().clone() for v in self.model.non_trainable_variables]
+
+    def _after_loss(self, lost: membership.PeerLost, kept: list | None, for_step: bool):
+        """After the group of the ranks left formed (the sum did that): the step's changes undone, the lost
+        ranks' metric counts taken over, and the same global batch planned again: ``(new rows, new plan)``."""
+        began = time.perf_counter()
+        with torch.no_grad():
+            for v, value in zip(self.model.non_trainable_variables, kept or ()):
+                v.value.copy_(value)
+        self.metrics.take_over(self.comm)
+        steps = [int(keras.ops.convert_to_numpy(o.iterations)) for o in self._optimizers()]
+        seen = {tuple(s) for s in self.comm.gather_objects(steps, "comparing the steps done") if s is not None}
+        if len(seen) > 1:
+            failure.fail(f"the ranks left disagree on the steps done ({sorted(seen)}) after losing a rank: the "
+                         "lost rank's sum reached some of them only. Going on needs one state: the run ends.")
+        again = self.balancer.planner.again(for_step)
+        if again is None:
+            failure.fail(f"{lost}, but this input was read once per machine and cannot be cut again: going on "
+                         "after a lost device needs arrays or tensors held in memory.")
+        plan, data = again
+        if self.comm.rank == self.comm.leader:
+            entry = lost.members.lost[-1]
+            shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
+            where = f"step {steps[0] + 1}" if for_step and steps else "a validation batch"
+            print(f"multigpu: lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {where} again on "
+                  f"{len(self.comm.members)} devices, rows {shares} of {plan.total}; "
+                  f"{time.time() - entry['at']:.1f} s after the loss ({time.perf_counter() - began:.2f} s to "
+                  "agree).", flush=True)
+        return data, plan
+
+    def _train_on(self, data, x, y, sample_weight, plan):
+        membership.at("forward", self.comm.rank)
         self.metrics.invalidate()
         self.timing.begin()
         for optimizer in self._optimizers():
@@ -186,7 +239,8 @@ class TorchSteps(StepsCore):
         n_timing = self.timing.size if n_timing is None else n_timing
         logs, timing = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
-            self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size, complete=True))
+            self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size, complete=True,
+                                                        members=self.comm.members))
         return logs
 
     def _calibrate_on(self, x, y, sample_weight, plan) -> None:
@@ -228,6 +282,15 @@ class TorchSteps(StepsCore):
     # ---------------------------------------------------------- evaluation
     def test_step(self, data):
         self._initialize()
+        while True:
+            kept = self._keep()
+            try:
+                return self._test_on(data)
+            except membership.PeerLost as lost:
+                data, _ = self._after_loss(lost, kept, for_step=False)
+
+    def _test_on(self, data):
+        membership.at("validation", self.comm.rank)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         rows = batch_rows(x)
         self.metrics.invalidate()
@@ -261,6 +324,7 @@ class TorchSteps(StepsCore):
 
     def reset_metrics(self):
         self.metrics.invalidate()
+        self.metrics.forget()
         return self.keras_reset_metrics()
 
     def sync_batchnorm_statistics(self) -> None:

@@ -1,0 +1,198 @@
+"""Who is still in a run: lost devices, the record of members, heartbeats, and fault injection.
+
+A leaf every layer may import.  Under multigpu's own supervisor, a run
+parallelized with ``min_devices`` below its device count goes on without a
+device it loses:
+
+* each rank beats (:func:`start_heartbeat`: a file in the run's folder
+  touched every :data:`BEAT` s by a thread of its own) and says the run may
+  shrink (:func:`allow_shrink`);
+* the supervisor declares a rank lost when its process dies by a signal (an
+  out-of-memory kill, a ``SIGKILL``, a crash in C code) or stops beating for
+  :data:`LOST_AFTER` s (stopped, or stuck holding the interpreter); it ends
+  such a process, and writes the new :class:`Members` record (a generation
+  number, the ranks left, who was lost) in the run's folder;
+* the survivors, waiting in a collective the lost rank never reaches, read the
+  record (:func:`read`) and raise :class:`PeerLost`; the backend forms a new
+  process group of the survivors, and the step is done again on the whole
+  global batch by the shares of the devices left.
+
+A rank that raises an exception of its own is not lost but failed: the same
+error would most likely follow on every rank, so the run ends as before.
+
+``MULTIGPU_FAULT`` (a testing aid) kills named ranks at named points:
+``RANK:POINT[:N]`` entries separated by commas, the rank killed with
+``SIGKILL`` (or stopped with ``SIGSTOP`` for ``POINT/stop``) at its ``N``-th
+time at ``POINT`` (default 1); the points are in :data:`POINTS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from multigpu import env
+
+__all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLost", "allow_shrink", "at", "await_change",
+           "beat_age", "read", "shrink_allowed", "start_heartbeat", "write"]
+
+BEAT = 0.5  # seconds between a rank's heartbeats
+LOST_AFTER = 5.0  # seconds without a heartbeat after which a rank is lost
+POINTS = ("forward", "sum", "update", "input", "validation", "save")
+_RECORD = "members.json"
+
+
+@dataclass(frozen=True)
+class Members:
+    """The ranks of a run, as the supervisor last wrote them.
+
+    Attributes:
+        generation: 0 at the start, one more at each change.
+        members: the ranks still in the run, in rank order.
+        lost: one entry per lost rank: ``rank``, ``device``, ``why``, ``at`` (Unix time).
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    lost: tuple[dict, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "members": list(self.members), "lost": list(self.lost)})
+
+    @classmethod
+    def from_json(cls, text: str) -> Members:
+        data = json.loads(text)
+        return cls(int(data["generation"]), tuple(int(r) for r in data["members"]), tuple(data.get("lost", ())))
+
+
+class PeerLost(Exception):
+    """Another rank left the run while this one waited for it; ``members`` is the run without it."""
+
+    def __init__(self, members: Members) -> None:
+        lost = ", ".join(f"rank {e['rank']} ({e['device']})" for e in members.lost)
+        super().__init__(f"lost {lost}; the run goes on with ranks {list(members.members)}")
+        self.members = members
+
+
+# ------------------------------------------------------------------ the record
+def write(run_dir: str | os.PathLike, members: Members) -> None:
+    """Writes the record atomically (the supervisor)."""
+    path = Path(run_dir) / _RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(members.to_json())
+    os.replace(tmp, path)
+
+
+def read(run_dir: str | os.PathLike | None) -> Members | None:
+    """The record, or None when there is none (no run folder, or nobody was ever lost)."""
+    if not run_dir:
+        return None
+    try:
+        return Members.from_json((Path(run_dir) / _RECORD).read_text())
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def await_change(run_dir: str | None, generation: int, seconds: float) -> Members | None:
+    """Waits up to ``seconds`` for a record newer than ``generation`` (a collective failed: was a peer lost?)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = read(run_dir)
+        if found is not None and found.generation > generation:
+            return found
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ a rank's side
+def allow_shrink(rank: int, min_devices: int) -> None:
+    """Tells the supervisor this run may go on with ``min_devices`` devices or more."""
+    run_dir = env.get(env.RUN_DIR)
+    if run_dir:
+        path = Path(run_dir) / f"rank{rank}.min_devices"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(str(int(min_devices)))
+        os.replace(tmp, path)
+
+
+def shrink_allowed(run_dir: str | None, ranks) -> int | None:
+    """The ``min_devices`` one of ``ranks`` said (the supervisor's side), or None."""
+    for r in ranks:
+        try:
+            text = (Path(run_dir or ".") / f"rank{r}.min_devices").read_text().strip() if run_dir else ""
+        except OSError:
+            continue
+        if text.isdigit():
+            return int(text)
+    return None
+
+
+_BEATING: threading.Thread | None = None
+
+
+def start_heartbeat(rank: int) -> None:
+    """Touches ``rank<r>.beat`` in the run's folder every :data:`BEAT` s, from a daemon thread."""
+    global _BEATING
+    run_dir = env.get(env.RUN_DIR)
+    if not run_dir or _BEATING is not None:
+        return
+    path = Path(run_dir) / f"rank{rank}.beat"
+
+    def beat() -> None:
+        while True:
+            try:
+                path.touch()
+            except OSError:  # the folder is gone: the supervisor is too
+                return
+            time.sleep(BEAT)
+
+    _BEATING = threading.Thread(target=beat, name="multigpu-heartbeat", daemon=True)
+    _BEATING.start()
+
+
+def beat_age(run_dir: str | None, rank: int, now: float) -> float | None:
+    """Seconds since ``rank`` last beat (None: it never did)."""
+    if not run_dir:
+        return None
+    try:
+        return now - os.stat(os.path.join(run_dir, f"rank{rank}.beat")).st_mtime
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------ fault injection
+_PLAN: dict[str, tuple[int, bool]] | None = None  # this rank's points -> (nth time, stop instead of kill)
+_COUNTS: dict[str, int] = {}
+
+
+def _plan(rank: int) -> dict[str, tuple[int, bool]]:
+    global _PLAN
+    if _PLAN is None:
+        _PLAN = {}
+        for entry in filter(None, (env.get(env.FAULT) or "").split(",")):
+            parts = entry.strip().split(":")
+            point, stop = parts[1].removesuffix("/stop"), parts[1].endswith("/stop")
+            if len(parts) not in (2, 3) or point not in POINTS or not parts[0].isdigit():
+                raise ValueError(f"{env.FAULT} takes RANK:POINT[:N] entries, POINT one of {', '.join(POINTS)} "
+                                 f"(with /stop to stop the rank instead of killing it). Received: {entry!r}")
+            if int(parts[0]) == rank:
+                _PLAN[point] = (int(parts[2]) if len(parts) == 3 else 1, stop)
+    return _PLAN
+
+
+def at(point: str, rank: int) -> None:
+    """A fault point: kills (or stops) this rank here if ``MULTIGPU_FAULT`` says so (a testing aid)."""
+    if _PLAN == {}:
+        return
+    planned = _plan(rank).get(point)
+    if planned is None:
+        return
+    _COUNTS[point] = _COUNTS.get(point, 0) + 1
+    if _COUNTS[point] == planned[0]:
+        os.kill(os.getpid(), signal.SIGSTOP if planned[1] else signal.SIGKILL)

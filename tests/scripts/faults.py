@@ -1,0 +1,70 @@
+"""Trains a small classifier with validation and a checkpoint every epoch; writes the final weights, the
+History and the run's lost devices to an .npz file (from the rank that writes).
+
+    python faults.py OUT.npz --devices cpu:0,cpu:1,cpu:2 --ratios 1,2,5 --min-devices 1
+    python faults.py OUT.npz --plain        # one device, no multigpu
+
+``MULTIGPU_FAULT`` (see multigpu.membership) chooses which ranks die where.
+"""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import numpy as np
+
+
+def build() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, activation="softmax")])
+
+
+def data(rows: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 12)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int64") + (x[:, 2] > 1).astype("int64")
+    return x, y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--devices", default="cpu:0")
+    p.add_argument("--ratios", default=None)
+    p.add_argument("--min-devices", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--plain", action="store_true")
+    a = p.parse_args()
+    model = build()
+    if not a.plain:
+        import multigpu
+
+        ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
+        model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios,
+                                     min_devices=a.min_devices, timeout=30)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    x, y = data(480, 0)
+    vx, vy = data(96, 1)
+    folder = os.path.dirname(os.path.abspath(a.out))
+    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(folder, "checkpoint.keras"))
+    hist = model.fit(x, y, batch_size=48, epochs=a.epochs, shuffle=False, verbose=0, validation_data=(vx, vy),
+                     callbacks=[checkpoint])
+    lost, rank = [], 0
+    if not a.plain:
+        state = multigpu.state(model)
+        lost, rank = state.lost, state.rank
+        print(f"rank {rank} shares {[round(r, 3) for r in state.ratios]} lost {[e['rank'] for e in lost]}",
+              flush=True)
+        if rank != min(set(range(state.world_size)) - {e["rank"] for e in lost}):
+            return
+    arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    np.savez(a.out, history=json.dumps(hist.history), lost=json.dumps(lost), **arrays)
+
+
+if __name__ == "__main__":
+    main()
