@@ -13,7 +13,7 @@ device it loses:
   such a process, and writes the new :class:`Members` record (a generation
   number, the ranks left, who was lost) in the run's folder;
 * the survivors, waiting in a collective the lost rank never reaches, read the
-  record (:func:`read`) and raise :class:`PeerLost`; the backend forms a new
+  record (:func:`read`) and raise :class:`PeerLostError`; the backend forms a new
   process group of the survivors, and the step is done again on the whole
   global batch by the shares of the devices left.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from multigpu import env
 
-__all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLost", "allow_shrink", "at", "await_change",
+__all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLostError", "allow_shrink", "at", "await_change",
            "beat_age", "read", "shrink_allowed", "start_heartbeat", "write"]
 
 BEAT = 0.5  # seconds between a rank's heartbeats
@@ -70,7 +70,7 @@ class Members:
         return cls(int(data["generation"]), tuple(int(r) for r in data["members"]), tuple(data.get("lost", ())))
 
 
-class PeerLost(Exception):
+class PeerLostError(Exception):
     """Another rank left the run while this one waited for it; ``members`` is the run without it."""
 
     def __init__(self, members: Members) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu import env, failure, membership
-from multigpu.membership import PeerLost
+from multigpu.membership import PeerLostError
 
 __all__ = ["CollectiveMismatchError", "Comm"]
 
@@ -152,11 +152,11 @@ class Comm:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def _lost_or_fail(self, what: str, exc: Exception) -> None:
-        """After a collective failed: :class:`PeerLost` when a peer was lost and the run goes on, else the end."""
+        """After a collective failed: :class:`PeerLostError` when a peer was lost and the run goes on, else the end."""
         members = self._peer_lost()
         if members is not None:
             self.regroup(members)
-            raise PeerLost(members) from None
+            raise PeerLostError(members) from None
         first = str(exc).splitlines()[0] if str(exc) else ""
         if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
             first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
@@ -170,18 +170,18 @@ class Comm:
         while True:
             try:
                 return call()
-            except PeerLost:
+            except PeerLostError:
                 continue
 
     # ------------------------------------------------------------- errors
     @contextmanager
     def fatal(self, what: str):
         """Any error in the block ends this rank, naming ``what`` failed (or, in a run that goes on without a
-        lost peer, forms the group of the survivors and raises :class:`PeerLost`)."""
+        lost peer, forms the group of the survivors and raises :class:`PeerLostError`)."""
         try:
             yield
-        except (CollectiveMismatchError, PeerLost) as exc:
-            if isinstance(exc, PeerLost):
+        except (CollectiveMismatchError, PeerLostError) as exc:
+            if isinstance(exc, PeerLostError):
                 self.regroup(exc.members)
                 raise
             failure.fail(str(exc))
@@ -381,14 +381,14 @@ class _SharedMemory:
             time.sleep(0.00005)
 
     def _check_members(self, flags: np.ndarray, s: int) -> None:
-        """Raises :class:`PeerLost` when a rank this call waits for was declared lost (one that already did its
+        """Raises :class:`PeerLostError` when a rank this call waits for was declared lost (one that already did its
         part is not waited for: the others finish the call with it)."""
         found = membership.read(env.get(env.RUN_DIR))
         if found is None or found.generation <= self.comm.generation:
             return
         missing = [self.comm.members[r] for r in range(self.world) if int(flags[r]) < s]
         if any(r not in found.members for r in missing):
-            raise PeerLost(found)
+            raise PeerLostError(found)
 
     def reduce(self, buf: torch.Tensor, tag: int, describe: Callable[[], str] | None) -> torch.Tensor:
         nbytes, _ = self._pending  # type: ignore[misc]

@@ -19,7 +19,7 @@ A model class that overrides ``train_step`` (or ``test_step``,
 weighted sum, and its logs become global in one collective after it.
 
 When a rank is lost during a step (:mod:`multigpu.membership`), its sum
-raises :class:`~multigpu.membership.PeerLost` before any weight changed: the
+raises :class:`~multigpu.membership.PeerLostError` before any weight changed: the
 step puts back what its forward pass changed (metric states, non-trainable
 variables such as BatchNorm's moving statistics), plans the same global batch
 over the ranks left, and runs again on its new rows.
@@ -116,7 +116,7 @@ class TorchSteps(StepsCore):
             kept = self._keep()
             try:
                 return self._train_on(data, x, y, sample_weight, plan)
-            except membership.PeerLost as lost:
+            except membership.PeerLostError as lost:
                 data, plan = self._after_loss(lost, kept, for_step=True)
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
@@ -128,7 +128,7 @@ class TorchSteps(StepsCore):
         self.metrics.keep()
         return [v.value.detach().clone() for v in self.model.non_trainable_variables]
 
-    def _after_loss(self, lost: membership.PeerLost, kept: list | None, for_step: bool):
+    def _after_loss(self, lost: membership.PeerLostError, kept: list | None, for_step: bool):
         """After the group of the ranks left formed (the sum did that): the step's changes undone, the lost
         ranks' metric counts taken over, and the same global batch planned again: ``(new rows, new plan)``."""
         began = time.perf_counter()
@@ -151,7 +151,8 @@ class TorchSteps(StepsCore):
             shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
             where = f"step {steps[0] + 1}" if for_step and steps else "a validation batch"
             print(f"multigpu: lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {where} again on "
-                  f"{len(self.comm.members)} devices, rows {shares} of {plan.total}; "
+                  f"{len(self.comm.members)} device{'s' if len(self.comm.members) > 1 else ''}, rows {shares} of "
+                  f"{plan.total}; "
                   f"{time.time() - entry['at']:.1f} s after the loss ({time.perf_counter() - began:.2f} s to "
                   "agree).", flush=True)
         return data, plan
@@ -286,7 +287,7 @@ class TorchSteps(StepsCore):
             kept = self._keep()
             try:
                 return self._test_on(data)
-            except membership.PeerLost as lost:
+            except membership.PeerLostError as lost:
                 data, _ = self._after_loss(lost, kept, for_step=False)
 
     def _test_on(self, data):

@@ -1,0 +1,129 @@
+"""A lost device: the survivors take its rows from the step it was lost in, and the run stays exact.
+
+Three CPU devices at 1:2:5 train a classifier with validation and a
+checkpoint every epoch; ``MULTIGPU_FAULT`` kills ranks (``SIGKILL``, or
+``SIGSTOP`` for a silent one) at every point of a step, rank 0 included.
+Each run loses two of its three devices, so it ends on one; its weights and
+History must equal one device's run on the same data to float rounding, and
+nothing may be left: no process, no shared memory, no half-written
+checkpoint.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import SCRIPTS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+THREE = ["--devices", "cpu:0,cpu:1,cpu:2", "--ratios", "1,2,5"]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    import subprocess
+
+    out = tmp_path_factory.mktemp("plain") / "plain.npz"
+    subprocess.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), "--plain"], check=True, timeout=120,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    return dict(np.load(out))
+
+
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("multigpu-*")}
+
+
+def _compare(got_path: Path, want: dict) -> list[int]:
+    got = dict(np.load(got_path))
+    for k in want:
+        if k.startswith("w"):
+            err = float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max())
+            assert err < 1e-5, (k, err)
+    hw, hg = json.loads(str(want["history"])), json.loads(str(got["history"]))
+    assert hw.keys() == hg.keys()
+    for k in hw:
+        np.testing.assert_allclose(hg[k], hw[k], rtol=1e-5, err_msg=k)
+    return [e["rank"] for e in json.loads(str(got["lost"]))]
+
+
+@pytest.mark.parametrize(("faults", "transport", "lost"), [
+    ("1:forward:4,2:sum:14", "shm", [1, 2]),  # killed before its forward pass; inside the sum
+    ("2:update:5,0:validation:2", "shm", [2, 0]),  # after the sum, before its update; rank 0 in validation
+    ("1:input:6,0:save:2", "gloo", [1, 0]),  # reading its rows; rank 0 writing the checkpoint
+], ids=["forward-sum", "update-validation-rank0", "input-save-rank0-gloo"])
+def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, transport, lost):
+    before = _shm()
+    out = runner.tmp_path / "run.npz"
+    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", "1"],
+                     timeout=200, extra_env={"MULTIGPU_FAULT": faults, "MULTIGPU_TRANSPORT": transport})
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert _compare(out, one_device) == lost
+    for r in lost:
+        assert f"rank {r} (CPU:{r}) was killed by signal 9 (SIGKILL); going on with" in res.stdout
+    assert res.stdout.count("again on 2 devices") + res.stdout.count("again on 1 device") >= 1
+    assert runner.leftovers() == []
+    assert _shm() <= before
+    assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
+
+
+def test_a_silent_rank_is_declared_lost_and_the_run_goes_on(runner, one_device):
+    out = runner.tmp_path / "run.npz"
+    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", "2"],
+                     timeout=200, extra_env={"MULTIGPU_FAULT": "1:forward/stop:5"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "rank 1 (CPU:1) stopped answering (no heartbeat for 5 s); going on with 2 device(s)" in res.stdout
+    assert _compare(out, one_device) == [1]
+    assert runner.leftovers() == []
+
+
+def test_below_min_devices_the_run_ends_naming_what_is_left(runner):
+    res = runner.cli("run", *THREE, "--min-devices", "2", str(SCRIPTS / "faults.py"),
+                     str(runner.tmp_path / "run.npz"), timeout=200,
+                     extra_env={"MULTIGPU_FAULT": "1:forward:3,2:forward:6"})
+    assert res.returncode != 0
+    assert "rank 1 (CPU:1) was killed by signal 9 (SIGKILL); going on with 2 device(s)" in res.stdout
+    assert ("rank 2 (CPU:2) was killed by signal 9 (SIGKILL); 1 device(s) left (CPU:0), fewer than "
+            "min_devices=2: ending the run.") in res.stdout
+    assert runner.leftovers() == []
+    assert not (runner.tmp_path / "run.npz").exists()
+
+
+# ------------------------------------------------------------------ in-process checks
+def test_min_devices_is_checked_and_named():
+    from multigpu.api import _min_devices
+
+    assert _min_devices(None, 3) is None and _min_devices(2, 3) == 2
+    for bad in (0, 4, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"from 1 to the 3 devices. Received: min_devices="):
+            _min_devices(bad, 3)
+
+
+def test_a_fault_plan_names_what_is_allowed(monkeypatch):
+    from multigpu import membership
+
+    monkeypatch.setattr(membership, "_PLAN", None)
+    monkeypatch.setenv("MULTIGPU_FAULT", "1:backward")
+    with pytest.raises(ValueError, match=r"RANK:POINT\[:N\] entries, POINT one of forward, sum, update"):
+        membership.at("forward", 1)
+    monkeypatch.setattr(membership, "_PLAN", None)
+    monkeypatch.setenv("MULTIGPU_FAULT", "1:sum:3")
+    membership.at("sum", 0)  # another rank's fault: nothing happens here
+    assert membership._PLAN == {}
+    monkeypatch.setattr(membership, "_PLAN", None)
+
+
+def test_the_members_record_round_trips(tmp_path):
+    from multigpu import membership
+
+    assert membership.read(tmp_path) is None
+    record = membership.Members(2, (0, 2), ({"rank": 1, "device": "CPU:1", "why": "x", "at": 1.0},))
+    membership.write(tmp_path, record)
+    assert membership.read(tmp_path) == record
+    assert membership.await_change(str(tmp_path), 1, 0.1) == record
+    assert membership.await_change(str(tmp_path), 2, 0.05) is None
+    assert "lost rank 1 (CPU:1); the run goes on with ranks [0, 2]" in str(membership.PeerLostError(record))
