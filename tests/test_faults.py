@@ -40,9 +40,9 @@ def _shm() -> set[str]:
 
 def _compare(got_path: Path, want: dict) -> list[int]:
     got = dict(np.load(got_path))
-    for k in want:
+    for k, value in want.items():
         if k.startswith("w"):
-            err = float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max())
+            err = float(np.abs(got[k] - value).max() / np.abs(value).max())
             assert err < 1e-5, (k, err)
     hw, hg = json.loads(str(want["history"])), json.loads(str(got["history"]))
     assert hw.keys() == hg.keys()
@@ -127,3 +127,28 @@ def test_the_members_record_round_trips(tmp_path):
     assert membership.await_change(str(tmp_path), 1, 0.1) == record
     assert membership.await_change(str(tmp_path), 2, 0.05) is None
     assert "lost rank 1 (CPU:1); the run goes on with ranks [0, 2]" in str(membership.PeerLostError(record))
+
+
+def test_after_a_loss_fixed_ratios_stay_and_automatic_shares_are_measured_once_more():
+    from multigpu.balancing.balancer import BalanceOptions, LoadBalancer
+    from multigpu.balancing.timing import StepRecord
+    from multigpu.devices import parse_devices
+    from multigpu.planning.shares import parse_ratios
+
+    devices = parse_devices(["cpu:0", "cpu:1", "cpu:2"], num_gpus=lambda: 0)
+    fixed = LoadBalancer(devices, 0, BalanceOptions(parse_ratios([1, 2, 5]), auto=False, rebalance=False),
+                         print)
+    fixed.drop([2])
+    assert fixed.shares(48) == [16, 32, 0]
+    lines = []
+    auto = LoadBalancer(devices, 0, BalanceOptions(parse_ratios("auto"), auto=True, rebalance=True), lines.append)
+    auto.ratios = [0.25, 0.25, 0.5]
+    auto.drop([0])
+    assert auto.shares(60) == [0, 20, 40]
+    speeds = (0.0, 100.0, 300.0)  # device 1 is a third as fast as device 2 once device 0 is gone
+    for _ in range(12):
+        shares = auto.shares(60)
+        times = tuple(n / v if v else 0.0 for n, v in zip(shares, speeds))
+        auto.record(StepRecord((max(times),) * 3, (max(times),) * 3, times, tuple(shares)))
+    assert auto.shares(60) == [0, 15, 45]
+    assert lines[-1] == "measured the devices left: CPU:1 100 samples/s, CPU:2 300 samples/s -> shares 25%/75%"

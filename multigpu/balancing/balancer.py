@@ -113,12 +113,15 @@ class LoadBalancer:
         self._changed = False
         self.advice = Advice(self.devices, log, options.compression)
         self.lost: list[int] = []  # ranks lost during the run: their share is 0 from then on
+        self._remeasure = False  # automatic shares after a loss: measure the devices left once
 
     def drop(self, ranks: Sequence[int]) -> None:
         """Gives lost ranks no rows from now on; the others keep their shares relative to each other.
 
-        The search stops: the shares of the devices left are the ones it had
-        found (or the fixed ratios), and the profile is not written again.
+        The search stops.  Fixed ratios stay as they are; automatic shares are
+        measured once more over the devices left (their compute speeds over a
+        window of steps, which change when a lost device shared their
+        processor or their link), then kept.  The profile is not written again.
         """
         for r in ranks:
             if r not in self.lost:
@@ -127,6 +130,33 @@ class LoadBalancer:
         self.search = None
         self._window = _Window()
         self._changed = False
+        self._remeasure = self.options.auto and self.options.rebalance
+
+    def _measure_survivors(self, rec: StepRecord) -> None:
+        """After a loss, with automatic shares: the devices left's compute speeds over one window set them."""
+        if tuple(rec.samples) not in self._warm:
+            self._warm.add(tuple(rec.samples))  # the first step at the new local batch sizes pays their first use
+            return
+        w = self._window
+        if not w.compute:
+            w.compute, w.local = [0.0] * self.world_size, [0] * self.world_size
+        w.steps += 1
+        w.seconds += max(rec.wall)
+        for r in range(self.world_size):
+            w.compute[r] += rec.compute[r]
+            w.local[r] += rec.samples[r]
+        if w.steps < WINDOW_STEPS or w.seconds < WINDOW_SECONDS:
+            return
+        left = [r for r in range(self.world_size) if r not in self.lost]
+        if any(w.compute[r] <= 0 or w.local[r] <= 0 for r in left):
+            return
+        speeds = [0.0 if r in self.lost else w.local[r] / w.compute[r] for r in range(self.world_size)]
+        self.ratios = [v / sum(speeds) for v in speeds]
+        self.speeds = speeds
+        self._remeasure = False
+        self._window = _Window()
+        detail = ", ".join(f"{self.devices[r].label} {speeds[r]:.0f} samples/s" for r in left)
+        self._log(f"measured the devices left: {detail} -> shares {describe_shares([self.ratios[r] for r in left])}")
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
@@ -236,6 +266,9 @@ class LoadBalancer:
         # the time they waited for a slower device.
         e["sum"] += min(max(0.0, s - c) for s, c in zip(rec.step, rec.compute))
         e["steps"] += 1
+        if self._remeasure:
+            self._measure_survivors(rec)
+            return
         if self.search is None or self.batch_size is None:
             return
         if list(rec.samples) != self.search.shares():

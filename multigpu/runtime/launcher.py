@@ -24,15 +24,16 @@ from __future__ import annotations
 import pickle
 import queue
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from multigpu import env
 from multigpu.devices import Device, assign_cores, parse_devices
+from multigpu.runtime.processes import run_folder
 
 __all__ = ["RankError", "launch"]
 
@@ -191,7 +192,8 @@ def launch(fn, *args, devices="auto", ratios=None, **options):
     timeout = float(options.get("timeout") or DEFAULT_TIMEOUT)
     text = None if ratios is None else (ratios if isinstance(ratios, str) else ",".join(str(r) for r in ratios))
     payload = _dumps((fn, args), "the function and its arguments")
-    with tempfile.TemporaryDirectory(prefix="multigpu-launch-") as folder:
+    folder = run_folder("launch")
+    try:
         (Path(folder) / PAYLOAD).write_bytes(payload)
         command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "call", str(Path(folder) / PAYLOAD)]
         extra = {"PYTHONUNBUFFERED": "1", env.LAUNCH_DIR: folder, **(options.get("env") or {})}
@@ -213,16 +215,16 @@ def launch(fn, *args, devices="auto", ratios=None, **options):
         group.stop(grace=2.0)
         result = Path(folder) / RESULT
         return pickle.loads(result.read_bytes()) if result.exists() else None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait(group, output: _Output) -> tuple[int, int] | None:
     while True:
         output.flush()
-        failure = group.failure()
-        if failure is not None:
-            return failure
-        if all(p.poll() == 0 for p in group.procs):
-            return None
+        code, rank = group.poll()
+        if code is not None:
+            return None if rank is None else (code, rank)
         time.sleep(0.1)
 
 

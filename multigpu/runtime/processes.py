@@ -29,6 +29,29 @@ __all__ = [
 ]
 
 
+def run_folder(kind: str) -> str:
+    """A new folder ``multigpu-<kind>-<pid>-*`` in the temporary directory, for this process's run.
+
+    Folders of the same kind left by a process that no longer exists (one
+    killed with ``SIGKILL``, such as a notebook kernel that was restarted,
+    cannot remove its own) are removed first.
+    """
+    import shutil
+    import tempfile
+
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        parts = name.split("-")
+        if len(parts) >= 4 and parts[0] == "multigpu" and parts[1] == kind and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            except OSError:
+                pass
+    return tempfile.mkdtemp(prefix=f"multigpu-{kind}-{os.getpid()}-")
+
+
 def die_with_parent() -> None:
     """Asks Linux to send SIGTERM to this process when its parent exits."""
     try:

@@ -66,7 +66,11 @@ def _call(payload: str) -> None:
     with open(payload, "rb") as f:
         fn, args = pickle.load(f)
     result = fn(*args)
-    if env.get(env.RANK, "0") == "0":
+    from multigpu import membership
+
+    members = membership.read(env.get(env.RUN_DIR))
+    writer = str(members.members[0]) if members is not None else "0"  # rank 0, or the lowest left after a loss
+    if env.get(env.RANK, "0") == writer:
         try:
             data = cloudpickle.dumps(result)
         except Exception as exc:

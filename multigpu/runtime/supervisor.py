@@ -28,13 +28,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 from multigpu import env, membership
 from multigpu.failure import read_failure
-from multigpu.runtime.processes import die_with_parent, loopback_listener, rank_environment, stop_processes
+from multigpu.runtime.processes import (
+    die_with_parent,
+    loopback_listener,
+    rank_environment,
+    run_folder,
+    stop_processes,
+)
 
 __all__ = ["Supervisor"]
 
@@ -87,7 +92,7 @@ class Supervisor:
     def start(self) -> None:
         """Starts every rank."""
         env.set_default("GLOO_SOCKET_IFNAME", "lo")
-        self.run_dir = tempfile.mkdtemp(prefix="multigpu-run-")
+        self.run_dir = run_folder("run")
         listener = loopback_listener()
         port = self.port = listener.getsockname()[1]
         self.procs = []
@@ -154,12 +159,20 @@ class Supervisor:
         A rank lost while the others may go on without it (see :meth:`_lose`) is not a failure.
         """
         while True:
-            failure = self.failure() or self._hung()
-            if failure is not None and not self._lose(*failure):
-                return failure
-            if all(p.poll() == 0 for r, p in enumerate(self.procs) if r not in self.lost):
-                return 0, None
+            code, rank = self.poll()
+            if code is not None:
+                return code, rank
             time.sleep(POLL)
+
+    def poll(self) -> tuple[int | None, int | None]:
+        """``(None, None)`` while the run goes on, ``(0, None)`` once every rank succeeded, ``(code, rank)``
+        when one failed (a lost rank the others go on without is not a failure: see :meth:`_lose`)."""
+        failure = self.failure() or self._hung()
+        if failure is not None and not self._lose(*failure):
+            return failure
+        if all(p.poll() == 0 for r, p in enumerate(self.procs) if r not in self.lost):
+            return 0, None
+        return None, None
 
     def _hung(self) -> tuple[int, int] | None:
         """``(-SIGSTOP, rank)`` for a rank that stopped beating in a run that may shrink."""
