@@ -14,7 +14,8 @@ step ``--kill-at`` of epoch 2, once per run.  Three ways:
   per epoch): every rank restarts, and the run resumes after epoch 1.
 
 Printed and written to ``benchmarks/results/faults.json``: the time from the death (the supervisor's
-record of it, within 50 ms of it) to the end of the first step after it; samples/s before the loss
+record of it, within 50 ms of it; under restart, the end of the last step before it) to the end of the
+first step after it; samples/s before the loss
 (epoch 2's steps before it) and after it (the steps of epoch 3), against the fresh run on the
 survivors over the same steps; and each way's time to finish.
 """
@@ -78,8 +79,11 @@ def main() -> None:
                            [*dying, "--backup", str(folder / "backup")], {}, folder, "restart")
         death = shrink["out"]["lost"][0]["at"]
         after = next(at for at, _, _ in shrink["marks"] if at > death)
-        restart_death = max(at for at, e, s in restart["marks"] if (e, s) == (1, a.kill_at - 2))
-        restarted = next(at for at, e, s in restart["marks"] if at > restart_death + 0.5)
+        # The first attempt's last step before the death, then the restarted run's first step (it resumes epoch 2).
+        marks = restart["marks"]
+        last = next(i for i, (_, e, s) in enumerate(marks) if (e, s) == (1, a.kill_at - 2))
+        restart_death, restarted = marks[last][0], marks[last + 1][0]
+        assert (marks[last + 1][1], marks[last + 1][2]) == (1, 0), marks[last + 1]
         row = {
             "seconds_from_death_to_next_step": after - death,
             "before_samples_per_second": _rate(shrink["marks"], 1, 3, a.kill_at - 2),
