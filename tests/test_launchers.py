@@ -1,9 +1,9 @@
 """Launchers: who started a rank (multigpu, torchrun, SLURM, MPI, Kubernetes' variables), and arguments over variables.
 
 The launcher classes are read from made-up environments here; a real ``slurmd`` (Debian's
-``slurm-wlm``, started by the ``slurm`` fixture as root with ``auth/none``) and a real Open MPI
-``mpirun`` run ``tests/scripts/tiny.py`` on two processes at 3:1 as one device does (1e-5), on torch and
-JAX. Where SLURM or Open MPI is not installed or cannot start, those
+``slurm-wlm``, started by the ``slurm`` fixture as root with ``auth/none``), two SLURM nodes in two
+network namespaces (the ``two_nodes`` fixture) and a real Open MPI ``mpirun`` run
+``tests/scripts/tiny.py`` on two processes at 3:1 as one device does (1e-5), on torch and JAX. Where SLURM or Open MPI is not installed or cannot start, those
 tests are skipped and say why (``make test-launchers`` installs both).
 """
 
@@ -84,57 +84,109 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """One slurmctld and one slurmd on this machine (auth/none, two CPUs), stopped at the end."""
+def _slurm_conf(folder: Path, controller: str, nodes: list[str], names: str) -> Path:
+    """A slurm.conf in ``folder`` for ``nodes`` (``NodeName=`` lines), all in one partition ``test``."""
+    for sub in ("state", *(f"spool-{n.split()[0].split('=')[1]}" for n in nodes)):
+        (folder / sub).mkdir(exist_ok=True)
+    conf = folder / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=multigpu", f"SlurmctldHost={controller}", f"SlurmctldPort={_free_port()}",
+        f"SlurmdPort={_free_port()}", "AuthType=auth/none", "CredType=cred/none", "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none", "SchedulerType=sched/builtin", "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core", "ReturnToService=2", "SlurmUser=root", "SlurmdUser=root", "MpiDefault=none",
+        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}-%n",
+        f"SlurmctldPidFile={folder / 'ctld.pid'}", f"SlurmdPidFile={folder / 'd'}-%n.pid",
+        f"SlurmctldLogFile={folder / 'ctld.log'}", f"SlurmdLogFile={folder / 'd'}-%n.log",
+        *nodes, f"PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE State=UP", ""]))
+    return conf
+
+
+def _slurm_up(daemons: list, folder: Path, env: dict, prefix: list[str], nodes: int) -> None:
+    """Waits until ``nodes`` nodes are idle; skips (with the daemons' logs) when they do not come up."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(d.poll() is not None for d in daemons):
+        state = subprocess.run([*prefix, "sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True,
+                               check=False)
+        if state.stdout.split().count("idle") + state.stdout.split().count("mix") == nodes:
+            return
+        time.sleep(0.5)
+    log = "".join(p.read_text()[-800:] for p in sorted(folder.glob("*.log")))
+    pytest.skip(f"slurmctld/slurmd did not come up here: {log or 'no log'}")
+
+
+def _stop(daemons: list) -> None:
+    for d in daemons:
+        d.terminate()
+    for d in daemons:
+        try:
+            d.wait(10)
+        except subprocess.TimeoutExpired:
+            d.kill()
+            d.wait()
+
+
+def _slurm_installed() -> None:
     missing = [b for b in ("slurmctld", "slurmd", "srun") if shutil.which(b) is None]
     if missing:
         pytest.skip(f"SLURM is not installed here ({', '.join(missing)} missing): `make test-launchers` installs "
                     "Debian's slurm-wlm")
     if os.geteuid() != 0:
         pytest.skip("starting slurmd needs root")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """One slurmctld and one slurmd on this machine (auth/none, two CPUs), stopped at the end."""
+    _slurm_installed()
     folder = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool"):
-        (folder / sub).mkdir()
     host = socket.gethostname()
-    conf = folder / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=multigpu", f"SlurmctldHost={host}", f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}", "AuthType=auth/none", "CredType=cred/none", "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none", "SchedulerType=sched/builtin", "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core", "ReturnToService=2", "SlurmUser=root", "SlurmdUser=root", "MpiDefault=none",
-        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
-        f"SlurmctldPidFile={folder / 'ctld.pid'}", f"SlurmdPidFile={folder / 'd.pid'}",
-        f"SlurmctldLogFile={folder / 'ctld.log'}", f"SlurmdLogFile={folder / 'd.log'}",
-        f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
-        f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP", ""]))
+    conf = _slurm_conf(folder, host, [f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN"], host)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     daemons = [subprocess.Popen([d, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.STDOUT) for d in ("slurmctld", "slurmd")]
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, check=False)
-            if state.stdout.strip() in ("idle", "mix"):
-                break
-            if any(d.poll() is not None for d in daemons):
-                break
-            time.sleep(0.5)
-        else:
-            state = None
-        if state is None or state.stdout.strip() not in ("idle", "mix"):
-            log = "".join((folder / f).read_text()[-800:] for f in ("ctld.log", "d.log") if (folder / f).exists())
-            pytest.skip(f"slurmctld/slurmd did not come up here: {log or 'no log'}")
+        _slurm_up(daemons, folder, env, [], 1)
         yield {"SLURM_CONF": str(conf)}
     finally:
-        for d in daemons:
-            d.terminate()
-        for d in daemons:
-            try:
-                d.wait(10)
-            except subprocess.TimeoutExpired:
-                d.kill()
-                d.wait()
+        _stop(daemons)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two SLURM nodes, ``node1`` and ``node2``, each a network namespace of its own (joined by a veth pair), with
+    a hostname of its own (a UTS namespace) and an ``/etc/hosts`` naming both; slurmctld runs on ``node1``.
+
+    Yields the ``SLURM_CONF`` variable and the command prefix that runs a program on ``node1`` (``srun`` from
+    there reaches both). Each node declares the machine's two CPUs; ``--devices cpu:0,cpu:1`` puts one rank on
+    each core.
+    """
+    _slurm_installed()
+    from multigpu.bench.links import Link, unavailable
+
+    why = unavailable()
+    if why or shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        pytest.skip(f"two nodes need network namespaces: {why or 'unshare and nsenter (util-linux) are missing'}")
+    folder = tmp_path_factory.mktemp("slurm2")
+    with Link(None, tag=f"s{os.getpid() % 10000}") as link:
+        (folder / "hosts").write_text(f"127.0.0.1 localhost\n{link.addresses[0]} node1\n{link.addresses[1]} node2\n")
+
+        def on(node: int, argv: list[str]) -> list[str]:
+            return link.command(node, ["unshare", "--mount", "--uts", "sh", "-c",
+                                       f'mount --bind {folder / "hosts"} /etc/hosts && hostname node{node + 1} && '
+                                       'exec "$@"', "sh", *argv])
+
+        conf = _slurm_conf(folder, f"node1({link.addresses[0]})",
+                           [f"NodeName=node{i + 1} NodeAddr={link.addresses[i]} CPUs={os.cpu_count()} State=UNKNOWN"
+                            for i in range(2)], "node1,node2")
+        env = {**os.environ, "SLURM_CONF": str(conf)}
+        daemons = [subprocess.Popen(on(node, [d, "-D", "-f", str(conf)]), env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.STDOUT)
+                   for node, d in ((0, "slurmctld"), (0, "slurmd"), (1, "slurmd"))]
+        try:
+            _slurm_up(daemons, folder, env, on(0, []), 2)
+            yield {"SLURM_CONF": str(conf)}, on(0, [])
+        finally:
+            _stop(daemons)
 
 
 def _compare_with_one_device(runner, backend: str, name: str) -> None:
@@ -167,6 +219,25 @@ def test_srun_runs_two_tasks_as_one_run_equal_to_one_device(runner, slurm, backe
     assert res.returncode == 0, res.stdout
     assert "multigpu: started by SLURM: 2 ranks on 1 machine(s)" in res.stdout, res.stdout
     _compare_with_one_device(runner, backend, "srun")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_srun_over_two_nodes_is_one_run_equal_to_one_device(runner, two_nodes, backend):
+    """``srun -N 2 -n 2``: one rank on each of two SLURM nodes (two network namespaces), meeting at the first node
+    over the link between them (gloo, found from the node's hostname)."""
+    if backend == "jax":
+        pytest.importorskip("jax")
+    slurm_env, on_node1 = two_nodes
+    program = ([sys.executable, str(SCRIPTS / "tiny.py")] if backend == "torch" else
+               [sys.executable, "-m", "multigpu", "run", str(SCRIPTS / "tiny.py")])
+    args = ["--devices", "cpu:0,cpu:1", *TINY[2:]]
+    res = runner.run([*on_node1, "srun", "-N", "2", "-n", "2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                      *program, *args, "--out", "nodes"], timeout=180, extra_env={**slurm_env, **BACKENDS[backend]})
+    assert res.returncode == 0, res.stdout
+    assert "multigpu: started by SLURM: 2 ranks on 2 machine(s), rendezvous at node1:" in res.stdout, res.stdout
+    _compare_with_one_device(runner, backend, "nodes")
 
 
 def _mpirun() -> list[str]:
