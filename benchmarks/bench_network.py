@@ -4,7 +4,7 @@
     ... benchmarks/bench_network.py --rates 1gbit --models dense21m --configs exact,ddp --rounds 1     # one case
     ... benchmarks/bench_network.py --backend jax --rates 1gbit --models dense21m --configs exact          # JAX
 
-Each rank runs in a network namespace of its own (``multigpu.bench.links``): two
+Each rank runs in a network namespace of its own (``benchmarks/links.py``): two
 namespaces joined by a veth pair that a token-bucket filter holds to ``--rates``
 in each direction (this kernel has no netem, so the link has a rate and no added
 delay).  The ranks join with torchrun's variables over gloo, rank ``r`` on core
@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from multigpu.bench.links import Link, unavailable  # noqa: E402
+from benchmarks.links import Link, unavailable  # noqa: E402
 
 MODELS = {"dense21m": ("dense41m", 0.57, 256), "convnet_head": ("convnet_head", 0.5, 256), "gru": ("gru", 1.0, 256)}
 CONFIGS = ("exact", "exact-after", "bf16", "fp16", "ddp", "ddp-bf16", "auto-slow")

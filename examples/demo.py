@@ -88,7 +88,7 @@ def default_devices() -> tuple[list[str], str]:
 
 
 def load_data(rows: int, say):
-    from multigpu.datasets import DataNotFoundError, load_mnist_like
+    from idx_data import DataNotFoundError, load_mnist_like
 
     try:
         (x, y), (xt, yt) = load_mnist_like("fashion_mnist")

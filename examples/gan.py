@@ -28,10 +28,10 @@ import keras
 import numpy as np
 import torch
 from _common import add_device_arguments, apply_quick_defaults
+from idx_data import DataNotFoundError, load_mnist_like
 from keras import layers
 
 import multigpu
-from multigpu.datasets import DataNotFoundError, load_mnist_like
 
 
 class GAN(keras.Model):

@@ -26,9 +26,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 from _common import add_device_arguments, apply_quick_defaults
+from idx_data import DataNotFoundError, load_mnist_like
 
 import multigpu
-from multigpu.datasets import DataNotFoundError, load_mnist_like
 
 CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
 

@@ -35,11 +35,11 @@ from _common import (
     steady_epoch_time,
     table_row,
 )
+from idx_data import DataNotFoundError, load_mnist_like
 
 import multigpu
 from multigpu import env as multigpu_env
 from multigpu.bench.models import convnet, get_model
-from multigpu.datasets import DataNotFoundError, load_mnist_like
 from multigpu.devices import Device, assign_cores, parse_devices
 
 CLASSES = 10

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from multigpu.datasets import DataNotFoundError, find_idx_folder, load_idx, load_mnist_like
+from examples.idx_data import DataNotFoundError, find_idx_folder, load_idx, load_mnist_like
 
 
 def write_idx(path, array: np.ndarray, compress: bool) -> None:
@@ -58,7 +58,7 @@ def test_bad_files_and_missing_data_give_clear_errors(tmp_path, monkeypatch):
     (tmp_path / "short").write_bytes(short)
     with pytest.raises(ValueError, match="header says"):
         load_idx(tmp_path / "short")
-    monkeypatch.setattr("multigpu.datasets._DEBIAN", {"fashion_mnist": str(tmp_path / "no"), "mnist": "x"})
+    monkeypatch.setattr("examples.idx_data._DEBIAN", {"fashion_mnist": str(tmp_path / "no"), "mnist": "x"})
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(DataNotFoundError, match="apt-get install dataset-fashion-mnist"):
         find_idx_folder("fashion_mnist", tmp_path / "empty")

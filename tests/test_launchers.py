@@ -3,8 +3,9 @@
 The launcher classes are read from made-up environments here; a real ``slurmd`` (Debian's
 ``slurm-wlm``, started by the ``slurm`` fixture as root with ``auth/none``), two SLURM nodes in two
 network namespaces (the ``two_nodes`` fixture) and a real Open MPI ``mpirun`` run
-``tests/scripts/tiny.py`` on two processes at 3:1 as one device does (1e-5), on torch and JAX. Where SLURM or Open MPI is not installed or cannot start, those
-tests are skipped and say why (``make test-launchers`` installs both).
+``tests/scripts/tiny.py`` on two processes at 3:1 as one device does (1e-5), on torch and JAX. Where
+SLURM or Open MPI is not installed or cannot start, those tests are skipped and say why
+(``make test-launchers`` installs both).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def two_nodes(tmp_path_factory):
     each core.
     """
     _slurm_installed()
-    from multigpu.bench.links import Link, unavailable
+    from benchmarks.links import Link, unavailable
 
     why = unavailable()
     if why or shutil.which("unshare") is None or shutil.which("nsenter") is None:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "multigpu"
 # bottom to top; each entry is a top-level module or folder of multigpu/
 LAYERS = [
     {"env", "_warn"},
-    {"failure", "membership", "devices", "throttle", "planning", "datasets"},
+    {"failure", "membership", "devices", "throttle", "planning"},
     {"balancing", "_keras"},
     {"data", "backend"},
     {"runtime", "keras"},
@@ -33,7 +33,6 @@ FRAMEWORK_USERS = {
     "data/tfdata.py": "reads a tf.data.Dataset, TensorFlow's own input type",
     "bench/worker.py": "the `multigpu bench` harness times each framework's own passes",
     "bench/breakdown.py": "the `multigpu bench` harness times torch's calls",
-    "bench/baselines.py": "the DDP and JAX baselines `multigpu bench` compares with",
 }
 
 

@@ -1,5 +1,5 @@
 """The multi-host path through real network interfaces: two ranks in two network namespaces joined by a
-shaped veth pair (``multigpu.bench.links``), with torchrun's variables over gloo, exact against one device.
+shaped veth pair (``benchmarks/links.py``), with torchrun's variables over gloo, exact against one device.
 
 Needs root (namespaces and tc); elsewhere the test is skipped and says why.
 """
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from multigpu.bench.links import Link, rate_bytes, unavailable
+from benchmarks.links import Link, rate_bytes, unavailable
 from tests.conftest import SCRIPTS
 from tests.test_exactness import load, max_relative_error
 

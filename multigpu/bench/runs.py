@@ -40,10 +40,22 @@ from pathlib import Path
 
 from multigpu import env
 
-__all__ = ["MODES", "run_config", "solo_devices_config"]
+__all__ = ["BASELINE_MODES", "MODES", "baselines_file", "run_config", "solo_devices_config"]
 
 MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "tf-mirrored",
          "calibrate")
+BASELINE_MODES = ("ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "tf-mirrored")
+
+
+def baselines_file() -> Path | None:
+    """``benchmarks/baselines.py`` of the checkout this package runs from, or None where it is not there.
+
+    The other frameworks' data-parallel loops a benchmark compares with are
+    laboratory code: they live beside the benchmarks, not in the installed
+    package.
+    """
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "baselines.py"
+    return path if path.exists() else None
 
 
 def _pinned(cores):
@@ -79,6 +91,13 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="multigpu-bench-"))
         out = Path(tmp) / "result.json"
         cfg = dict(config, out=str(out))
+        if config["mode"] in BASELINE_MODES:
+            path = baselines_file()
+            if path is None:
+                raise ValueError(f"the {config['mode']!r} baseline is laboratory code kept in the repository's "
+                                 "benchmarks/baselines.py, which this installation does not have: run it from a "
+                                 "checkout of multigpu (pip install -e .)")
+            cfg["baselines"] = str(path)
         devices = assign_cores(parse_devices(config["devices"]), warn=False)
         command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
                    str(Path(tmp) / "config.json")]

@@ -16,9 +16,20 @@ from pathlib import Path
 __all__ = ["main"]
 
 from multigpu import env
-from multigpu.bench.baselines import BASELINES
 from multigpu.bench.clock import timer as _timer
 from multigpu.bench.clock import write as _write
+
+
+def _baselines(cfg: dict) -> dict:
+    """The baselines' programs, from the checkout's ``benchmarks/baselines.py`` (for a baseline's run only)."""
+    if "baselines" not in cfg:
+        return {}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multigpu_benchmark_baselines", cfg["baselines"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BASELINES
 
 
 def _peak_rss() -> int:
@@ -228,7 +239,7 @@ def main(path: str) -> None:
 
     keras.utils.set_random_seed(int(cfg.get("seed", 0)))
     spec = get_model(cfg["model"])
-    runs = {"calibrate": _calibrate_run, **BASELINES}
+    runs = {"calibrate": _calibrate_run, **_baselines(cfg)}
     runs.get(cfg["mode"], _fit_run)(cfg, spec)
 
 

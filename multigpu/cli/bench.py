@@ -64,9 +64,14 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size must be positive. Received: {args.batch_size}")
     if args.ratios is not None:
         parse_ratios(args.ratios, len(devices))
+    from multigpu.bench.runs import BASELINE_MODES, baselines_file
+
     for name in filter(None, args.baseline.split(",")):
         if name not in BASELINES:
             raise ValueError(f"unknown baseline {name!r}; allowed: {', '.join(BASELINES)}")
+        if name in BASELINE_MODES and baselines_file() is None:
+            raise ValueError(f"--baseline {name}: the other frameworks' loops are laboratory code kept in the "
+                             "repository's benchmarks/baselines.py, not installed; run from a checkout of multigpu")
     if args.sweep:
         try:
             sizes = [int(s) for s in args.sweep.split(",")]

@@ -7,11 +7,11 @@ rows.  The gradient of the mean loss over the global batch of ``B`` rows is
 batches and empty ranks (an empty rank adds zeros), and for terms that do not
 depend on the batch (regularizers), since the weights sum to one.
 
-:class:`GradientSync` does this inside ``optimizer.apply``: every optimizer a
-parallel model trains with is wrapped on the instance, so the built-in step,
-any ``train_step`` override (several optimizers, several backward passes,
-frozen parts) and ``train_on_batch`` take the same path.  One collective per
-``apply`` carries the gradients, one flag per variable (a variable without a
+:class:`GradientSync` does this: the built-in step calls :meth:`GradientSync.sum`
+after its backward pass, then Keras's own ``apply``; for a ``train_step``
+override (several optimizers, several backward passes, frozen parts), which
+calls ``optimizer.apply`` itself, each optimizer is wrapped on the instance
+to take the same sum first.  One collective per sum carries the gradients, one flag per variable (a variable without a
 gradient on every rank keeps ``None``, as on one device: an optimizer with
 momentum must not see a zero there), whatever the step attached (metric
 states and step timings, so that the built-in step needs no other
@@ -199,6 +199,18 @@ class GradientSync:
         self.step.extras = extras
 
     # ------------------------------------------------------------ the sum
+    def sum(self, grads: list, variables: list, extras: torch.Tensor | None = None
+            ) -> tuple[list, list[float] | None]:
+        """The share-weighted sum over ranks of ``grads`` and the plain sum of ``extras``, in one collective.
+
+        Returns:
+            The summed gradients (``None`` where no rank has one) and the summed extras (None without).
+        """
+        if extras is not None:
+            self.attach(extras)
+        grads = self.reduce(list(grads), list(variables))
+        return grads, (self.step or self._last).extras_out
+
     def _layout(self, variables: Sequence) -> Layout:
         key = tuple((id(v), tuple(v.shape)) for v in variables)
         layout = self._layouts.get(key)
@@ -329,7 +341,7 @@ class GradientSync:
             self.writer.write(target[o : o + shape.numel()], g, weight)
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
-        world = float(len(self.comm.members))
+        world = float(len(getattr(self.comm, "members", range(self.comm.world_size))))  # the ranks left
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.backend.torch.collectives import CollectiveMismatchError
             failure.fail(str(CollectiveMismatchError(

@@ -8,15 +8,18 @@ One global batch, followed from the data to the weights:
 3. forward, loss, metrics, backward, as Keras's own step (the forward pass
    and loss replayed as recorded torch operations where that gives the same
    result: :mod:`multigpu.backend.torch.replay`);
-4. ``optimizer.apply`` sums the weighted gradients over ranks in one
-   collective, which also carries the metric states and the step timings
-   (:mod:`multigpu.backend.torch.reducer`), then runs Keras's update block
-   by block (:mod:`multigpu.backend.torch.optimizers`);
+4. the step sums the weighted gradients over ranks in one collective, which
+   also carries the metric states and the step timings
+   (:meth:`GradientSync.sum <multigpu.backend.torch.reducer.GradientSync.sum>`),
+   then calls Keras's own ``apply`` of the optimizer's class with the sums
+   (the update runs block by block: :mod:`multigpu.backend.torch.optimizers`);
 5. the logs come back global, and the balancer reads every rank's timings.
 
 A model class that overrides ``train_step`` (or ``test_step``,
-``predict_step``) keeps its own step: its optimizer calls go through the same
-weighted sum, and its logs become global in one collective after it.
+``predict_step``) keeps its own step, which calls ``optimizer.apply`` itself:
+for that path alone each optimizer's ``apply`` is wrapped (once, when the
+optimizer is first seen) to take the same weighted sum first, and the logs
+become global in one collective after the step.
 
 When a rank is lost during a step (:mod:`multigpu.membership`), its sum
 raises :class:`~multigpu.membership.PeerLostError` before any weight changed: the
@@ -75,6 +78,7 @@ class TorchSteps(StepsCore):
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self._replay: list[tuple] = []
         self._recorded = False
+        self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
         if self.sync_batchnorm:
             install_global_moments(model)
 
@@ -161,9 +165,7 @@ class TorchSteps(StepsCore):
         membership.at("forward", self.comm.rank)
         self.metrics.invalidate()
         self.timing.begin()
-        for optimizer in self._optimizers():
-            self.sync.wrap(optimizer)
-            blockwise.install(optimizer)
+        self._see_optimizers()
         # With global BatchNorm statistics the backward pass crosses ranks, so each rank weights its own loss.
         self.sync.begin_step(1.0 if self.sync_batchnorm else plan.weight)
         try:
@@ -207,14 +209,24 @@ class TorchSteps(StepsCore):
                 loss = model.optimizer.scale_loss(loss)
             if trainable:
                 loss.backward()
-        self.sync.attach(self.metrics.pack(logs_local, local, self.timing.vector(), "train"))
-        if trainable:
-            with torch.no_grad():
-                model.optimizer.apply([v.value.grad for v in trainable], trainable)
-        else:
+        extras = self.metrics.pack(logs_local, local, self.timing.vector(), "train")
+        if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            self.sync.reduce([], [])
-        return self._finish(self.sync.extras_out, "train")
+        grads, summed = self.sync.sum([v.value.grad for v in trainable], trainable, extras)
+        if trainable:
+            membership.at("update", self.comm.rank)
+            with torch.no_grad():
+                type(model.optimizer).apply(model.optimizer, grads, trainable)  # Keras's own apply
+        return self._finish(summed, "train")
+
+    def _see_optimizers(self) -> None:
+        """Each optimizer, the first time it is seen: its ``apply`` sums for a step of the model's own (the
+        built-in step sums itself), and its update runs block by block."""
+        for optimizer in self._optimizers():
+            if id(optimizer) not in self._seen:
+                self._seen[id(optimizer)] = optimizer
+                self.sync.wrap(optimizer)
+                blockwise.install(optimizer)
 
     def _custom_train(self, data, plan):
         if plan.local > 0:

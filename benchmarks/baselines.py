@@ -1,5 +1,8 @@
 """The baselines a benchmark compares multigpu with, each one rank's program (see :mod:`multigpu.bench.runs`).
 
+Laboratory code, kept out of the installed package: ``multigpu bench --baseline`` and the benchmarks load
+this file from the checkout (:func:`multigpu.bench.runs.baselines_file`).
+
 All of them split every global batch equally, each rank feeding its own slice.
 ``keras-ddp`` emulates on any Keras what ``keras-fit-ddp`` runs for real on
 Keras 3.16 and newer: Keras's own torch trainer wrapping the model in DDP
