@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-tf
 # `make demo` runs on the caller's KERAS_BACKEND (torch when unset); every other target sets its own.
@@ -10,14 +11,20 @@ export KERAS_BACKEND := torch
 
 .PHONY: demo test test-examples test-outside test-launchers lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
 
-$(STAMP): pyproject.toml Makefile
+# What `make demo` needs, and nothing else: torch's CPU build, multigpu (Keras with it) and matplotlib for the
+# chart. The CPU build of torch first: an unpinned `torch` can pull a CUDA build of several GB.
+$(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	# The CPU build of torch first: an unpinned `torch` can pull a CUDA build of several GB.
-	# jax's CPU build for the JAX backend (KERAS_BACKEND=jax) and its tests.
-	$(BIN)/pip install --quiet "torch==2.13.0" "jax[cpu]==0.10.2"
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[plot]"
+	touch $(DEMO_STAMP)
+
+# What the tests need on top: jax's CPU build for the JAX backend (KERAS_BACKEND=jax), the test tools,
+# keras-hub for the tests of its tasks, without TensorFlow: --no-deps leaves out its tensorflow-text
+# requirement (used only by its TF tokenizers), and the rest of what it imports comes after.
+$(STAMP): $(DEMO_STAMP)
+	$(BIN)/pip install --quiet "jax[cpu]==0.10.2"
 	$(BIN)/pip install --quiet -e ".[test]"
-	# keras-hub for the tests of its tasks, without TensorFlow: --no-deps leaves out its tensorflow-text
-	# requirement (used only by its TF tokenizers), and the rest of what it imports comes after.
 	$(BIN)/pip install --quiet --no-deps "keras-hub==0.32.0"
 	$(BIN)/pip install --quiet absl-py regex rich tokenizers sentencepiece kagglehub grain
 	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
@@ -31,7 +38,7 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
 	touch $(TEST_STAMP)
 
-demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(STAMP))
+demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(if $(filter jax,$(DEMO_BACKEND)),$(STAMP),$(DEMO_STAMP)))
 	@# Fashion-MNIST from Debian's package when we may install it; the demo falls back to synthetic data otherwise.
 	@test -d /usr/share/datasets/fashion-mnist || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \

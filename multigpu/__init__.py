@@ -12,8 +12,9 @@ Example:
     ``multigpu.launch(train, devices=[...])``.
 """
 
-from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, state, world_size
+from multigpu.api import list_devices, multi_gpu_model, parallelize, rank, state, unparallelize, world_size
 from multigpu.runtime.launcher import RankError, launch
 
-__all__ = ["RankError", "launch", "list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
+__all__ = ["RankError", "launch", "list_devices", "multi_gpu_model", "parallelize", "rank", "state", "unparallelize",
+           "world_size"]
 __version__ = "0.2.0"

@@ -11,7 +11,7 @@ from multigpu.devices import Device, usable_cores
 from multigpu.planning.shares import RatioSpec, parse_ratios, validate_ratios
 from multigpu.runtime import runtime as _runtime
 
-__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "world_size"]
+__all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "unparallelize", "world_size"]
 
 DeviceSpec = str | int | Device
 TRANSPORTS = ("auto", "shm", "gloo")
@@ -375,6 +375,32 @@ def state(model):
     from multigpu.keras.parallel import state as _state
 
     return _state(model)
+
+
+def unparallelize(model):
+    """Turns a parallel model back into a plain Keras model, in place (the inverse of :func:`parallelize`).
+
+    Everything multigpu set on the model, its optimizers, its layers and
+    callbacks is put back, newest first, and ``keras.saving`` is Keras's own
+    again once no parallel model is left.  The model keeps its weights and
+    optimizer state and trains on this process's device alone.
+
+    Args:
+        model: a model returned by :func:`parallelize`.
+
+    Returns:
+        The same model object, plain again.
+
+    Example:
+        ```python
+        model = multigpu.parallelize(model)
+        model.fit(x, y, batch_size=256)
+        model = multigpu.unparallelize(model)   # a plain Keras model again, on this process's device
+        ```
+    """
+    from multigpu.keras.parallel import unparallelize as _unparallelize
+
+    return _unparallelize(model)
 
 
 def list_devices() -> list[Device]:

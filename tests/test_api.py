@@ -1,9 +1,12 @@
 """The public API: no import side effects, clear errors for bad input."""
 
+import json
 import re
 import sys
 
 import pytest
+
+from tests.conftest import SCRIPTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,8 +21,8 @@ def test_import_sets_nothing(runner):
     )
     res = runner.run([sys.executable, "-c", code], extra_env={"KERAS_BACKEND": ""})
     assert res.returncode == 0, res.stdout
-    assert ("['RankError', 'launch', 'list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'state', 'world_size']"
-            in res.stdout)
+    assert ("['RankError', 'launch', 'list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'state', "
+            "'unparallelize', 'world_size']" in res.stdout)
 
 
 EXPECTED = {
@@ -119,3 +122,32 @@ def test_the_keras_range_pyproject_claims_is_the_one_multigpu_checks_at_import()
 
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"{_compat._requirement()}"' in text, _compat._requirement()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_unparallelize_gives_back_a_plain_keras_model_and_no_class_is_changed(runner):
+    """After a fit on two devices with global BatchNorm and a BackupAndRestore, ``unparallelize`` puts back every
+    attribute (checked by identity), ``keras.saving`` is Keras's own, no Keras class changed at any point, and the
+    model trains on each process alone (the same start, the same rows: the same weights on both ranks)."""
+    out = runner.tmp_path / "plain"
+    res = runner.run([sys.executable, str(SCRIPTS / "unparallelize.py"), str(out)], timeout=150)
+    assert res.returncode == 0, res.stdout
+    found = [json.loads((runner.tmp_path / f"plain.rank{r}.json").read_text()) for r in range(2)]
+    for f in found:
+        assert f["same_object"] and f["fit_is_keras"] and f["saving_is_keras"] and f["state_refused"]
+        assert "fit" in f["set_on_model_while_parallel"] and "train_step" in f["set_on_model_while_parallel"]
+        assert f["left_on_model"] == [] and f["optimizer_own"] == [] and not f["moments_own"]
+        assert f["backup_changed"] == []
+        assert f["classes_unchanged_during_run"] and f["classes_unchanged_after"]
+    assert found[0]["weights"] == found[1]["weights"]
+    assert runner.leftovers() == []
+
+
+def test_unparallelize_refuses_a_model_that_was_not_parallelized():
+    import keras
+
+    import multigpu
+
+    with pytest.raises(ValueError, match=r"takes a model returned by multigpu\.parallelize"):
+        multigpu.unparallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))

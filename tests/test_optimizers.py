@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from multigpu._keras.ledger import Ledger
 from multigpu.backend.torch import optimizers as blockwise
 
 # shapes around the block size: smaller, several blocks with a ragged end, one element
@@ -30,7 +31,7 @@ def _train(make, fast: bool, steps: int = 4) -> list[np.ndarray]:
     optimizer = make()
     optimizer.build(variables)
     if fast:
-        assert blockwise.install(optimizer)
+        assert blockwise.install(optimizer, Ledger())
     for _ in range(steps):
         grads = [torch.from_numpy(rng.normal(size=s).astype("float32")) for s in SHAPES]
         optimizer.apply(grads, variables)
@@ -53,7 +54,7 @@ def test_blockwise_update_equals_keras_bit_for_bit(case, monkeypatch):
 
 def test_other_optimizers_and_plain_sgd_keep_keras_update():
     for optimizer in (keras.optimizers.SGD(0.1), keras.optimizers.Adagrad(), keras.optimizers.Lion()):
-        assert blockwise.install(optimizer) is False
+        assert blockwise.install(optimizer, Ledger()) is False
         assert "_parallel_update_step" not in vars(optimizer)
 
 
@@ -65,7 +66,7 @@ def test_a_subclass_with_its_own_update_keeps_it():
     variable = keras.Variable(np.ones((4,), "float32"))
     optimizer = Mine()
     optimizer.build([variable])
-    assert blockwise.install(optimizer) is False
+    assert blockwise.install(optimizer, Ledger()) is False
     optimizer.apply([torch.ones(4)], [variable])
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), np.zeros(4, "float32"))
 
@@ -74,7 +75,7 @@ def test_gradients_it_cannot_block_go_to_keras_update():
     variable = keras.Variable(np.ones((6,), "float32"))
     optimizer = keras.optimizers.RMSprop(0.1)
     optimizer.build([variable])
-    assert blockwise.install(optimizer)
+    assert blockwise.install(optimizer, Ledger())
     grad = torch.arange(12, dtype=torch.float32)[::2]  # not contiguous
     optimizer.apply([grad], [variable])
     reference = keras.optimizers.RMSprop(0.1)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from multigpu._keras.ledger import Ledger
 from multigpu.backend.torch.reducer import GradientSync
 
 
@@ -181,11 +182,14 @@ def test_wrapped_optimizer_sums_before_applying_and_only_inside_a_step():
     sync = GradientSync(ThreadComm(0, shared), waiting=_Null)
     v = keras.Variable([1.0, 1.0])
     opt = keras.optimizers.SGD(learning_rate=1.0)
-    sync.wrap(opt)
-    sync.wrap(opt)  # twice: still one wrapper
+    ledger = Ledger()
+    sync.wrap(opt, ledger)
+    sync.wrap(opt, ledger)  # twice: still one wrapper
     opt.apply([torch.tensor([1.0, 1.0])], [v])  # outside a step: plain Keras
     assert sync.calls == 0
     sync.begin_step(0.5)
     opt.apply([torch.tensor([1.0, 1.0])], [v])
     assert sync.calls == 1 and len(sync.log) == 1
     torch.testing.assert_close(v.value, torch.tensor([-0.5, -0.5]))  # 1 - 1 - 0.5 * 1
+    ledger.undo()
+    assert "apply" not in vars(opt) and opt.apply.__func__ is type(opt).apply

@@ -73,8 +73,11 @@ def check() -> None:
     if keras.backend.backend() == "tensorflow":
         model_attrs += ("_symbolic_build",)
     missing += [f"Model.{a}" for a in model_attrs if not hasattr(keras.Model, a)]
-    optimizer_attrs = ("apply", "_trainable_variables")
-    missing += [f"Optimizer.{a}" for a in optimizer_attrs[:1] if not hasattr(keras.optimizers.Optimizer, a)]
+    optimizer_attrs = ("apply", "_get_variable_index")
+    missing += [f"Optimizer.{a}" for a in optimizer_attrs if not hasattr(keras.optimizers.Optimizer, a)]
+    if keras.backend.backend() == "torch":
+        missing += [f"{cls.__name__}._parallel_update_step" for cls in torch_optimizer_classes().values()
+                    if not hasattr(cls, "_parallel_update_step")]
     if not hasattr(keras.layers.BatchNormalization, "_moments"):
         missing.append("BatchNormalization._moments")
     if not hasattr(keras.callbacks.BackupAndRestore, "_save_model"):
@@ -189,9 +192,10 @@ def batchnorm_axes(layer) -> list[int]:
     return list(layer._reduction_axes)
 
 
-def replace_batchnorm_moments(layer, moments) -> None:
-    """Makes ``layer`` train with ``moments(inputs, mask) -> (mean, variance)`` instead of its own."""
-    object.__setattr__(layer, "_moments", moments)
+def replace_batchnorm_moments(layer, moments, ledger) -> None:
+    """Makes ``layer`` train with ``moments(inputs, mask) -> (mean, variance)`` instead of its own (noted in the
+    model's ``ledger``)."""
+    ledger.set(layer, "_moments", moments)
 
 
 def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight):
@@ -232,7 +236,7 @@ def seed_variables(model) -> list:
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
-def silence_backup_saving(callback) -> None:
+def silence_backup_saving(callback, ledger) -> None:
     """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``).
 
     It still calls the model's ``save_weights`` where Keras would: the parallel
@@ -242,8 +246,9 @@ def silence_backup_saving(callback) -> None:
     def save_nothing_but_wait(*args, **kwargs) -> None:
         callback.model.save_weights(filepath=callback._weights_path, overwrite=True)
 
-    object.__setattr__(callback, "_save_model", save_nothing_but_wait)
-    callback.delete_checkpoint = False
+    if not ledger.owns(callback, "_save_model"):
+        ledger.set(callback, "_save_model", save_nothing_but_wait)
+        ledger.set(callback, "delete_checkpoint", False)
 
 
 def class_weight_to_sample_weights(y, class_weight: dict):

@@ -61,7 +61,7 @@ def batchnorm_statistics(model) -> list:
     return variables
 
 
-def use_global_batchnorm(model, global_moments: Callable[[object, int], Callable]) -> int:
+def use_global_batchnorm(model, global_moments: Callable[[object, int], Callable], ledger) -> int:
     """Makes every ``BatchNormalization`` layer of ``model`` train with the global batch's statistics.
 
     Args:
@@ -69,6 +69,7 @@ def use_global_batchnorm(model, global_moments: Callable[[object, int], Callable
         global_moments: ``(layer, index) -> moments``, where ``moments(inputs)`` returns the mean and
             variance over every rank's rows (the backend's collective); ``index`` is the layer's place
             in :func:`batchnorm_layers`, the same on every rank.
+        ledger: the model's :class:`~multigpu._keras.ledger.Ledger`.
 
     A layer called with a mask, or with ``renorm``, keeps its own statistics (with a warning, once).
 
@@ -77,7 +78,7 @@ def use_global_batchnorm(model, global_moments: Callable[[object, int], Callable
     """
     layers = batchnorm_layers(model)
     for index, layer in enumerate(layers):
-        _compat.replace_batchnorm_moments(layer, _or_local(layer, global_moments(layer, index)))
+        _compat.replace_batchnorm_moments(layer, _or_local(layer, global_moments(layer, index)), ledger)
     return len(layers)
 
 

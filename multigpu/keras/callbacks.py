@@ -16,14 +16,14 @@ from multigpu._keras import compat as _compat
 __all__ = ["EpochHooks", "for_rank"]
 
 
-def for_rank(callbacks, rank: int) -> list:
-    """The user's callbacks as rank ``rank`` runs them."""
+def for_rank(callbacks, rank: int, ledger) -> list:
+    """The user's callbacks as rank ``rank`` runs them (what is changed on them noted in the model's ``ledger``)."""
     out = []
     for cb in list(callbacks or []):
         if rank != 0 and isinstance(cb, (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)):
             continue
         if rank != 0 and isinstance(cb, keras.callbacks.BackupAndRestore):
-            _compat.silence_backup_saving(cb)
+            _compat.silence_backup_saving(cb, ledger)
         out.append(cb)
     return out
 

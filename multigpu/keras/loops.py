@@ -86,6 +86,9 @@ class Loops:
         """0 on the rank that prints and writes (rank 0, or the lowest one left after it was lost), else 1."""
         return 0 if self.rank == getattr(self.parallel.comm, "leader", 0) else 1
 
+    def _callbacks(self, callbacks) -> list:
+        return for_rank(callbacks, self._writer, self.parallel.ledger)
+
     def _verbose(self, verbose):
         return verbose if self._writer == 0 else 0
 
@@ -141,7 +144,7 @@ class Loops:
         try:
             history = self.keras["fit"](
                 train, epochs=epochs, verbose=self._verbose(verbose),
-                callbacks=[EpochHooks(p, train), *for_rank(callbacks, self._writer)], validation_data=val,
+                callbacks=[EpochHooks(p, train), *self._callbacks(callbacks)], validation_data=val,
                 shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                 validation_steps=validation_steps, validation_freq=validation_freq,
             )
@@ -170,7 +173,7 @@ class Loops:
         data = self._data(x, y, sample_weight, batch_size, False, None, "evaluate", training=False)
         try:
             result = self.keras["evaluate"](data, verbose=self._verbose(verbose), steps=steps,
-                                            callbacks=for_rank(callbacks, self._writer), return_dict=return_dict,
+                                            callbacks=self._callbacks(callbacks), return_dict=return_dict,
                                             **kwargs)
         finally:
             data.close()
@@ -185,7 +188,7 @@ class Loops:
         data = self._data(x, None, None, batch_size, False, None, "predict", training=False)
         try:
             out = self.keras["predict"](data, verbose=self._verbose(verbose), steps=steps,
-                                        callbacks=for_rank(callbacks, self._writer))
+                                        callbacks=self._callbacks(callbacks))
         finally:
             data.close()
         return self._gather([plan.sizes for plan in data.plans], out)

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from multigpu import membership
+from multigpu._keras.ledger import Ledger
 from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
@@ -28,7 +29,7 @@ from multigpu.keras.own_loops import base_methods
 from multigpu.keras.saving import atomic_save, route_public_saving
 from multigpu.planning.shares import capped_split
 
-__all__ = ["ParallelModel", "State", "register_single", "state"]
+__all__ = ["ParallelModel", "State", "register_single", "state", "unparallelize"]
 
 _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch", "save",
@@ -110,6 +111,8 @@ class ParallelModel:
         self.options = options
         self.steps_per_epoch: int | None = None
         self.timing = StepTiming(runtime.rank, runtime.world_size)
+        self.ledger = Ledger()  # every attribute set on the model's Keras objects, with what was there
+        self._saving_route = None
         cls = type(model)
         self.keras = {name: getattr(cls, name).__get__(model, cls) for name in _KERAS_METHODS}
         self.keras.update(base_methods(model))  # the loops call Keras's own; a class's own come first
@@ -142,9 +145,18 @@ class ParallelModel:
             "summary": self.summary,
         }
         for name, method in methods.items():
-            object.__setattr__(self.model, name, method)
+            self.ledger.set(self.model, name, method)
         _MODELS[self.model] = self
-        route_public_saving(self.model, _is_parallel_model)
+        self._saving_route = route_public_saving(self.model, _is_parallel_model)
+
+    def uninstall(self) -> None:
+        """Puts back everything :meth:`install` and the steps set (in reverse order) and lets the saving route
+        go: the model, its optimizers, its layers and ``keras.saving`` are Keras's own again."""
+        self.ledger.undo()
+        _MODELS.pop(self.model, None)
+        if self._saving_route is not None:
+            self._saving_route()
+            self._saving_route = None
 
     def save(self, method: str, filepath, overwrite: bool = True, **kwargs):
         """Keras's ``save``/``save_weights`` on rank 0, atomically; every rank returns once the file is there.
@@ -209,6 +221,30 @@ def _is_parallel_model(model) -> bool:
 def register_single(model, runtime) -> None:
     """Remembers a model parallelized on one device (nothing of it is changed)."""
     _MODELS[model] = State(0, 1, list(runtime.devices), [1.0])
+
+
+def unparallelize(model):
+    """Turns a parallel model back into a plain Keras model, in place; returns it.
+
+    Every attribute multigpu set on the model, its optimizers, its layers and
+    callbacks is put back (newest first), and ``keras.saving`` is Keras's own
+    again once no parallel model is left.  The model keeps its weights and
+    optimizer state (the same on every rank) and trains on this process's
+    device alone, as it would without multigpu; the run's processes and group
+    stay for other parallel models.
+
+    Raises:
+        ValueError: when ``model`` was not parallelized.
+    """
+    entry = _MODELS.get(model) if is_parallel(model) else None
+    if entry is None:
+        raise ValueError("multigpu.unparallelize() takes a model returned by multigpu.parallelize(). "
+                         f"Received: a {type(model).__name__} that was not parallelized")
+    if isinstance(entry, ParallelModel):
+        entry.uninstall()
+    else:
+        _MODELS.pop(model, None)
+    return model
 
 
 def is_parallel(model) -> bool:

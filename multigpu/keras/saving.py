@@ -48,14 +48,14 @@ def atomic_save(write: Callable, filepath, rank: int, overwrite: bool = True, **
 _ROUTED: dict = {}  # while parallel models live: Keras's own functions, and how many models hold the route
 
 
-def route_public_saving(model, is_parallel: Callable[[object], bool]) -> None:
+def route_public_saving(model, is_parallel: Callable[[object], bool]) -> weakref.finalize:
     """Makes ``keras.saving.save_model`` and ``keras.saving.save_weights`` (also ``keras.models.save_model``)
     of a parallel model go through the model's own ``save``/``save_weights``: rank 0 writes, atomically, and
     every rank waits for the file.  Keras's functions write directly, so without this every rank would
     write the same file at once.  Other models are passed to Keras's functions unchanged.
 
-    The route lasts as long as some parallel model does: when the last one is collected, Keras's own
-    functions are put back.
+    The route lasts as long as some parallel model does: when the last one is collected (or made plain
+    again: call the returned finalizer), Keras's own functions are put back.
     """
     import keras
 
@@ -82,7 +82,7 @@ def route_public_saving(model, is_parallel: Callable[[object], bool]) -> None:
         if models_too:
             keras.models.save_model = save_model
     _ROUTED["holders"] += 1
-    weakref.finalize(model, _release)
+    return weakref.finalize(model, _release)
 
 
 def _release() -> None:

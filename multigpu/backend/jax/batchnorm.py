@@ -180,10 +180,10 @@ def _global_moments(exchange: StatisticsExchange):
     return for_layer
 
 
-def install_global_moments(model, exchange: StatisticsExchange) -> int:
+def install_global_moments(model, exchange: StatisticsExchange, ledger) -> int:
     """Makes every ``BatchNormalization`` layer of ``model`` normalise with the global batch's statistics.
 
     Returns:
         The number of layers changed.
     """
-    return use_global_batchnorm(model, _global_moments(exchange))
+    return use_global_batchnorm(model, _global_moments(exchange), ledger)

@@ -71,7 +71,7 @@ class JaxSteps(StepsCore):
 
             self.exchange = StatisticsExchange(coordination_client(), self.comm.rank, self.comm.world_size,
                                                parallel.runtime.timeout)
-            install_global_moments(model, self.exchange)
+            install_global_moments(model, self.exchange, parallel.ledger)
         self.eager = EagerSteps(self)  # a train_step or test_step of the model's own
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)

@@ -68,10 +68,10 @@ def _global_moments(layer, index: int):
     return moments
 
 
-def install_global_moments(model) -> int:
+def install_global_moments(model, ledger) -> int:
     """Makes every BatchNormalization layer of ``model`` use global statistics.
 
     Returns:
         The number of layers changed.
     """
-    return use_global_batchnorm(model, _global_moments)
+    return use_global_batchnorm(model, _global_moments, ledger)

@@ -30,11 +30,12 @@ BLOCK = 1 << 17  # values per block: RMSprop's update of 41M weights on one core
 # 128K, 98-105 ms at 256K, 110 ms at 64K, 165 ms at 16K (Keras's own: 510 ms); a block's tensors stay in cache
 
 
-def install(optimizer) -> bool:
+def install(optimizer, ledger) -> bool:
     """Makes ``optimizer`` compute its own update block by block, if it is one this module knows.
 
     Args:
         optimizer: a Keras optimizer (torch backend).
+        ledger: the model's :class:`~multigpu._keras.ledger.Ledger`, which notes the change.
 
     Returns:
         Whether the block-wise update is in place.
@@ -50,7 +51,7 @@ def install(optimizer) -> bool:
     update = known.get(owner) if owner is not None else None
     if update is _sgd and optimizer.momentum == 0:
         update = None  # without momentum Keras's update is one operation already
-    object.__setattr__(optimizer, "_multigpu_blockwise", update is not None)
+    ledger.set(optimizer, "_multigpu_blockwise", update is not None)
     if update is None:
         return False
     keras_update = type(optimizer)._parallel_update_step.__get__(optimizer)
@@ -63,7 +64,7 @@ def install(optimizer) -> bool:
             update(self, grads, variables, tensors, learning_rate)
         return None
 
-    object.__setattr__(optimizer, "_parallel_update_step", types.MethodType(blockwise_update_step, optimizer))
+    ledger.set(optimizer, "_parallel_update_step", types.MethodType(blockwise_update_step, optimizer))
     return True
 
 

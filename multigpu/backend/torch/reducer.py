@@ -109,8 +109,9 @@ class GradientSync:
         self.overlapping = False  # the last step's calls were summed during the backward pass
 
     # ------------------------------------------------------------ wiring
-    def wrap(self, optimizer) -> None:
-        """Makes ``optimizer.apply`` (and so ``apply_gradients``) sum gradients over ranks first."""
+    def wrap(self, optimizer, ledger) -> None:
+        """Makes ``optimizer.apply`` (and so ``apply_gradients``) sum gradients over ranks first (noted in the
+        model's ``ledger``)."""
         if optimizer is None or getattr(optimizer, "_multigpu_sync", None) is self:
             return
         original = type(optimizer).apply.__get__(optimizer)
@@ -130,8 +131,8 @@ class GradientSync:
             membership.at("update", sync.comm.rank)
             return original(grads, trainable_variables)
 
-        object.__setattr__(optimizer, "apply", apply)
-        object.__setattr__(optimizer, "_multigpu_sync", self)
+        ledger.set(optimizer, "apply", apply)
+        ledger.set(optimizer, "_multigpu_sync", self)
 
     def begin_step(self, weight: float) -> StepSums:
         """Starts a training step whose gradients are weighted by ``weight`` (``b_r / B``): returns its sums."""

@@ -80,7 +80,7 @@ class TorchSteps(StepsCore):
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
         if self.sync_batchnorm:
-            install_global_moments(model)
+            install_global_moments(model, parallel.ledger)
 
     @property
     def overlapping(self) -> bool:
@@ -225,8 +225,8 @@ class TorchSteps(StepsCore):
         for optimizer in self._optimizers():
             if id(optimizer) not in self._seen:
                 self._seen[id(optimizer)] = optimizer
-                self.sync.wrap(optimizer)
-                blockwise.install(optimizer)
+                self.sync.wrap(optimizer, self.parallel.ledger)
+                blockwise.install(optimizer, self.parallel.ledger)
 
     def _custom_train(self, data, plan):
         if plan.local > 0:
