@@ -49,10 +49,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
 
 test: $(TEST_STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/test_examples.py \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/test_examples.py \
 		-m "not outside"
 
-# Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI sweep (about 1.5 min).
+# Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI sweep, and the
+# second backend or ratio of a few paths (tests/conftest.py's OUTSIDE says which and why).
 test-outside: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/test_examples.py -m outside
 

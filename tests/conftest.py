@@ -25,6 +25,23 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 os.environ.setdefault("KERAS_TORCH_DEVICE", "cpu")
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+# Cases that `make test` leaves to `make test-outside` (and `make test-launchers`) to stay within 15 minutes; each
+# is the second backend or the second ratio of a path that a sibling case checks in `make test`.
+OUTSIDE = {
+    "test_tfdata.py::test_tf_data_pipelines_reproduce_one_device[jax-1,2,5]": "tf.data on JAX at 3:1 stays",
+    "test_inputs.py::test_loaders_with_workers_reproduce_one_device[jax-1,2,5]": "loaders on JAX at 3:1 stay",
+    "test_jax.py::test_keras_features_on_jax": "the same features on torch (test_keras.py) and JAX's steps stay",
+    "test_notebook.py::test_launch_at_3_to_1_in_a_kernel_reproduces_one_device[jax]": "the kernel on torch stays",
+    "test_launchers.py::test_srun_over_two_nodes_is_one_run_equal_to_one_device[torch]": "srun on one node stays",
+    "test_launchers.py::test_srun_over_two_nodes_is_one_run_equal_to_one_device[jax]": "srun on one node stays",
+}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if item.nodeid.removeprefix("tests/") in OUTSIDE:
+            item.add_marker(pytest.mark.outside)
 REPO = Path(__file__).parent.parent
 
 

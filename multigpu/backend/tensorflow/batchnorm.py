@@ -38,15 +38,16 @@ class GlobalBatchNorm:
         model: the model (its layers are changed once, here).
         comm: the run's collectives.
         timing: the step timing (the sums count as waiting).
+        ledger: the model's :class:`~multigpu._keras.ledger.Ledger`, which notes the layers' new ``_moments``.
     """
 
-    def __init__(self, model, comm, timing) -> None:
+    def __init__(self, model, comm, timing, ledger) -> None:
         self.comm = comm
         self.timing = timing
         self._weight = 1.0  # this rank's share in the backward sum
         self._contributes = True  # this rank's rows count in the forward sum
         self._alone = False
-        self.layers = use_global_batchnorm(model, self._moments)
+        self.layers = use_global_batchnorm(model, self._moments, ledger)
 
     def begin_step(self, weight: float, contributes: bool = True) -> None:
         """The next step's backward weight (1 where the loss is weighted already) and whether its rows count."""

@@ -70,7 +70,7 @@ class TensorFlowSteps(StepsCore):
         if parallel.options.sync_batchnorm:
             from multigpu.backend.tensorflow.batchnorm import GlobalBatchNorm
 
-            self.global_batchnorm = GlobalBatchNorm(self.model, self.comm, self.timing)
+            self.global_batchnorm = GlobalBatchNorm(self.model, self.comm, self.timing, parallel.ledger)
         self.custom = CustomSteps(self)
         self.keras_reset_metrics = type(self.model).reset_metrics.__get__(self.model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
