@@ -5,7 +5,7 @@ ranks puts every rank's vector in one row of a global array sharded over that
 mesh and runs a compiled ``sum(axis=0)`` whose result is replicated: XLA does
 the all-reduce (gloo on CPU).  Everything else (broadcast, gathering objects,
 checks) is a sum of vectors where the other ranks send zeros.  Measured on
-this project's 2-core machine: 4 ms for any vector up to 100,000 floats,
+two processes on two cores of one machine: 4 ms for any vector up to 100,000 floats,
 6.6 ms for 670,000 (torch's gloo: 2 and 4.8 ms).
 """
 

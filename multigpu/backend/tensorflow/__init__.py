@@ -9,8 +9,8 @@
 
 Why torch.distributed sums TensorFlow's gradients: TensorFlow's own
 cross-process collectives (``MultiWorkerMirroredStrategy``'s ring over gRPC)
-took 8.1 ms for an all-reduce of 1M floats between two processes of this
-project's 2-core machine, gloo 4.0 ms, and the shared-memory transport
+took 8.1 ms for an all-reduce of 1M floats between two processes on two
+cores of one x86-64 machine, gloo 4.0 ms, and the shared-memory transport
 0.57 ms (``benchmarks/bench_tf_engines.py``, ``benchmarks/RESULTS.md``); one
 of the ring's rounds also failed to start.  So the TensorFlow backend uses
 the torch backend's collectives: shared memory between CPU ranks of one

@@ -12,7 +12,7 @@ The per-step sum has two transports:
 * ``gloo`` (NCCL on GPUs): ``torch.distributed.all_reduce``;
 * ``shm``, for CPU ranks on one x86-64 machine: every rank writes its vector
   into a shared-memory segment, each sums one chunk of all of them, and all
-  read the result.  Measured on this project's 2-core test machine, gloo takes
+  read the result.  Measured between two processes on two cores, gloo takes
   about 2 ms for any all-reduce, however small (each message crosses several
   threads), and 4.8 ms for 670,000 floats; shared memory takes 0.1 ms and
   about 1.5 ms (benchmarks/RESULTS.md).  Ranks that call it with different
