@@ -78,6 +78,17 @@ class _Window:
     compute: list[float] = field(default_factory=list)
     local: list[int] = field(default_factory=list)
 
+    def add(self, rec: StepRecord) -> None:
+        """Counts one step: its wall time (the slowest rank's), samples, and each rank's compute and rows."""
+        if not self.compute:
+            self.compute, self.local = [0.0] * len(rec.samples), [0] * len(rec.samples)
+        self.steps += 1
+        self.seconds += max(rec.wall)
+        self.samples += sum(rec.samples)
+        for r, (c, n) in enumerate(zip(rec.compute, rec.samples)):
+            self.compute[r] += c
+            self.local[r] += n
+
 
 class LoadBalancer:
     """Owns the current ratios of one parallel model.
@@ -138,13 +149,7 @@ class LoadBalancer:
             self._warm.add(tuple(rec.samples))  # the first step at the new local batch sizes pays their first use
             return
         w = self._window
-        if not w.compute:
-            w.compute, w.local = [0.0] * self.world_size, [0] * self.world_size
-        w.steps += 1
-        w.seconds += max(rec.wall)
-        for r in range(self.world_size):
-            w.compute[r] += rec.compute[r]
-            w.local[r] += rec.samples[r]
+        w.add(rec)
         if w.steps < WINDOW_STEPS or w.seconds < WINDOW_SECONDS:
             return
         left = [r for r in range(self.world_size) if r not in self.lost]
@@ -280,14 +285,7 @@ class LoadBalancer:
             self._warm.add(tuple(rec.samples))
             return
         w = self._window
-        if not w.compute:
-            w.compute, w.local = [0.0] * self.world_size, [0] * self.world_size
-        w.steps += 1
-        w.seconds += max(rec.wall)
-        w.samples += sum(rec.samples)
-        for r in range(self.world_size):
-            w.compute[r] += rec.compute[r]
-            w.local[r] += rec.samples[r]
+        w.add(rec)
         factor = self.search.window_factor()
         if w.steps < WINDOW_STEPS * factor or w.seconds < WINDOW_SECONDS * factor:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import keras
@@ -70,7 +71,7 @@ class ArraySource:
         the same batch by another plan)."""
         for step in range(self.num_batches):
             start = step * self.batch_size
-            cut = lambda plan, start=start: self._cut(plan, start)  # noqa: E731
+            cut = functools.partial(self._cut, start=start)
             yield cut(plan_of(min(self.batch_size, self.rows - start), again=cut))
 
     def _cut(self, plan: StepPlan, start: int) -> tuple:

@@ -236,15 +236,21 @@ def unparallelize(model):
     Raises:
         ValueError: when ``model`` was not parallelized.
     """
-    entry = _MODELS.get(model) if is_parallel(model) else None
-    if entry is None:
-        raise ValueError("multigpu.unparallelize() takes a model returned by multigpu.parallelize(). "
-                         f"Received: a {type(model).__name__} that was not parallelized")
+    entry = _entry(model, "unparallelize")
     if isinstance(entry, ParallelModel):
         entry.uninstall()
     else:
         _MODELS.pop(model, None)
     return model
+
+
+def _entry(model, what: str):
+    """What is kept for a parallelized ``model``; raises, naming ``multigpu.<what>()``, for any other."""
+    entry = _MODELS.get(model) if is_parallel(model) else None
+    if entry is None:
+        raise ValueError(f"multigpu.{what}() takes a model returned by multigpu.parallelize(). "
+                         f"Received: a {type(model).__name__} that was not parallelized")
+    return entry
 
 
 def is_parallel(model) -> bool:
@@ -267,9 +273,6 @@ def state(model) -> State:
     Raises:
         ValueError: when ``model`` was not parallelized.
     """
-    entry = _MODELS.get(model) if is_parallel(model) else None
-    if entry is None:
-        raise ValueError("multigpu.state() takes a model returned by multigpu.parallelize(). "
-                         f"Received: a {type(model).__name__} that was not parallelized")
+    entry = _entry(model, "state")
     return entry if isinstance(entry, State) else entry.state()
 

@@ -21,6 +21,7 @@ The per-step sum has two transports:
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 import platform
@@ -120,8 +121,6 @@ class Comm:
         """
         if members.generation <= self.generation:
             return
-        import datetime
-
         dead = [r for r in self.members if r not in members.members]
         try:
             dist.destroy_process_group()
