@@ -38,6 +38,9 @@ wins, and where a variable says otherwise the run says so in one line
   torch; read by ``parallelize`` and handed to the step as values).
 * ``MULTIGPU_MIN_DEVICES``: ``parallelize``'s ``min_devices`` for a script that passes none
   (``multigpu run --min-devices``).
+* ``MULTIGPU_REJOIN``: ``1`` on a lost rank's process that the supervisor
+  started again (``--max-restarts``): it joins the run at a step of ``fit``
+  instead of at the start.
 * ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
   (:mod:`multigpu.membership`); never set it in a real run.
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
@@ -89,6 +92,7 @@ OVERLAP = "MULTIGPU_OVERLAP"
 BUCKET_MB = "MULTIGPU_BUCKET_MB"
 MIN_DEVICES = "MULTIGPU_MIN_DEVICES"
 FAULT = "MULTIGPU_FAULT"
+REJOIN = "MULTIGPU_REJOIN"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

@@ -20,6 +20,15 @@ device it loses:
 A rank that raises an exception of its own is not lost but failed: the same
 error would most likely follow on every rank, so the run ends as before.
 
+With restarts left (``multigpu run --max-restarts K``) the supervisor starts
+the lost rank's process again, with :data:`multigpu.env.REJOIN` set.  The
+new process runs the script up to its ``fit`` and says it is ready
+(:func:`say_ready`); the supervisor writes a record with it among the
+members again; the others see that record (the heartbeat thread reads it:
+:func:`latest`), agree in their next gradient sum to welcome it, and at the
+following step form a group with it, send it the position in the run and
+the state, and plan that step's global batch over every device again.
+
 ``MULTIGPU_FAULT`` (a testing aid) kills named ranks at named points:
 ``RANK:POINT[:N]`` entries separated by commas, the rank killed with
 ``SIGKILL`` (or stopped with ``SIGSTOP`` for ``POINT/stop``) at its ``N``-th
@@ -39,7 +48,8 @@ from pathlib import Path
 from multigpu import env
 
 __all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLostError", "allow_shrink", "at", "await_change",
-           "beat_age", "read", "shrink_allowed", "start_heartbeat", "write"]
+           "await_welcome", "beat_age", "forget_rank", "is_ready", "latest", "open_welcome", "read", "say_ready",
+           "shrink_allowed", "start_heartbeat", "write"]
 
 BEAT = 0.5  # seconds between a rank's heartbeats
 LOST_AFTER = 5.0  # seconds without a heartbeat after which a rank is lost
@@ -54,20 +64,30 @@ class Members:
     Attributes:
         generation: 0 at the start, one more at each change.
         members: the ranks still in the run, in rank order.
-        lost: one entry per lost rank: ``rank``, ``device``, ``why``, ``at`` (Unix time).
+        members: the ranks in the run, in the order of the process group (survivors first, then ranks that
+            rejoined, in the order they came back).
+        lost: one entry per loss: ``rank``, ``device``, ``why``, ``at`` (Unix time).
+        joined: one entry per rank that came back: ``rank``, ``device``, ``at``.
     """
 
     generation: int
     members: tuple[int, ...]
     lost: tuple[dict, ...] = field(default_factory=tuple)
+    joined: tuple[dict, ...] = field(default_factory=tuple)
 
     def to_json(self) -> str:
-        return json.dumps({"generation": self.generation, "members": list(self.members), "lost": list(self.lost)})
+        return json.dumps({"generation": self.generation, "members": list(self.members), "lost": list(self.lost),
+                           "joined": list(self.joined)})
 
     @classmethod
     def from_json(cls, text: str) -> Members:
         data = json.loads(text)
-        return cls(int(data["generation"]), tuple(int(r) for r in data["members"]), tuple(data.get("lost", ())))
+        return cls(int(data["generation"]), tuple(int(r) for r in data["members"]), tuple(data.get("lost", ())),
+                   tuple(data.get("joined", ())))
+
+    def newcomers(self, members) -> list[int]:
+        """The ranks of this record that are not among ``members`` (ranks coming back)."""
+        return [r for r in self.members if r not in members]
 
 
 class PeerLostError(Exception):
@@ -134,22 +154,33 @@ def shrink_allowed(run_dir: str | None, ranks) -> int | None:
 
 
 _BEATING: threading.Thread | None = None
+_LATEST: Members | None = None  # the record as the heartbeat thread last read it
 
 
 def start_heartbeat(rank: int) -> None:
-    """Touches ``rank<r>.beat`` in the run's folder every :data:`BEAT` s, from a daemon thread."""
+    """Touches ``rank<r>.beat`` in the run's folder every :data:`BEAT` s, from a daemon thread, which also reads
+    the record of members when it changes (:func:`latest`)."""
     global _BEATING
     run_dir = env.get(env.RUN_DIR)
     if not run_dir or _BEATING is not None:
         return
     path = Path(run_dir) / f"rank{rank}.beat"
+    record = Path(run_dir) / _RECORD
 
     def beat() -> None:
+        global _LATEST
+        seen = None
         while True:
             try:
                 path.touch()
             except OSError:  # the folder is gone: the supervisor is too
                 return
+            try:
+                stamp = record.stat().st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp != seen:
+                seen, _LATEST = stamp, read(run_dir)
             time.sleep(BEAT)
 
     _BEATING = threading.Thread(target=beat, name="multigpu-heartbeat", daemon=True)
@@ -164,6 +195,46 @@ def beat_age(run_dir: str | None, rank: int, now: float) -> float | None:
         return now - os.stat(os.path.join(run_dir, f"rank{rank}.beat")).st_mtime
     except OSError:
         return None
+
+
+def latest() -> Members | None:
+    """The record of members as this rank's heartbeat thread last read it (at most :data:`BEAT` s old)."""
+    return _LATEST
+
+
+# ------------------------------------------------------------------ coming back
+def say_ready(rank: int) -> None:
+    """A restarted rank reached its ``fit``: the supervisor may count it among the members again."""
+    run_dir = env.get(env.RUN_DIR)
+    if run_dir:
+        (Path(run_dir) / f"rank{rank}.ready").touch()
+
+
+def is_ready(run_dir: str, rank: int) -> bool:
+    """Whether restarted ``rank`` said it is ready (the supervisor's side)."""
+    return os.path.exists(os.path.join(run_dir, f"rank{rank}.ready"))
+
+
+def forget_rank(run_dir: str, rank: int) -> None:
+    """Removes what a lost rank's process left in the run's folder (its beat, its word), before it starts again."""
+    for name in (f"rank{rank}.beat", f"rank{rank}.ready", f"rank{rank}.failure"):
+        try:
+            os.unlink(os.path.join(run_dir, name))
+        except OSError:
+            pass
+
+
+def open_welcome(run_dir: str, generation: int) -> None:
+    """The ranks in the run are forming generation ``generation``'s group with the ranks coming back."""
+    (Path(run_dir) / f"welcome-{generation}").touch()
+
+
+def await_welcome(run_dir: str, generation: int) -> None:
+    """Waits (as long as the run lasts: the supervisor ends a rank still waiting when the others finish) until the
+    ranks in the run form generation ``generation``'s group; they do so at a step of ``fit``."""
+    path = Path(run_dir) / f"welcome-{generation}"
+    while not path.exists():
+        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------ fault injection

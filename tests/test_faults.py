@@ -74,6 +74,24 @@ def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, tr
     assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
 
 
+def test_a_lost_rank_started_again_rejoins_and_the_result_stays_exact(runner, one_device):
+    """Rank 0 (the writer) killed in epoch 1 under ``--max-restarts 1``: rank 1 writes from then on, rank 0's new
+    process rejoins at a step of a later epoch, and the run ends on all three devices, equal to one device."""
+    before = _shm()
+    out = runner.tmp_path / "run.npz"
+    res = runner.cli("run", *THREE, "--max-restarts", "1", "--min-devices", "2", str(SCRIPTS / "faults.py"),
+                     str(out), "--step-sleep", "0.3", timeout=200, extra_env={"MULTIGPU_FAULT": "0:forward:4"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert _compare(out, one_device) == [0]
+    assert json.loads(str(np.load(out)["joined"]))[0]["rank"] == 0
+    assert "starting rank 0 (CPU:0) again; it rejoins at a step of fit (0 restart(s) left)." in res.stdout
+    assert "rank 0 (CPU:0) rejoined at epoch " in res.stdout
+    assert "rows CPU:1 12, CPU:2 30, CPU:0 6 of 48" in res.stdout  # the shares at 1:2:5 again
+    assert res.stdout.count("shares [0.125, 0.25, 0.625]") == 3  # every rank ends with them
+    assert runner.leftovers() == []
+    assert _shm() <= before
+
+
 def test_below_min_devices_the_run_ends_naming_what_is_left(runner):
     res = runner.cli("run", *THREE, "--min-devices", "2", str(SCRIPTS / "faults.py"),
                      str(runner.tmp_path / "run.npz"), timeout=200,
@@ -144,4 +162,4 @@ def test_after_a_loss_fixed_ratios_stay_and_automatic_shares_are_measured_once_m
         times = tuple(n / v if v else 0.0 for n, v in zip(shares, speeds))
         auto.record(StepRecord((max(times),) * 3, (max(times),) * 3, times, tuple(shares)))
     assert auto.shares(60) == [0, 15, 45]
-    assert lines[-1] == "measured the devices left: CPU:1 100 samples/s, CPU:2 300 samples/s -> shares 25%/75%"
+    assert lines[-1] == "measured the devices in the run: CPU:1 100 samples/s, CPU:2 300 samples/s -> shares 25%/75%"

@@ -117,13 +117,28 @@ class StepsCore:
         return out
 
     def _initialize(self) -> None:
-        """Rank 0's weights everywhere, and different random streams on every rank (once, at first use)."""
+        """Rank 0's weights everywhere, and different random streams on every rank (once, at first use); on a
+        rank that came back after a loss, the state the others send (:meth:`_welcome_state`)."""
         if self._initialized:
             return
         self._initialized = True
+        if getattr(self.comm, "rejoined", False):
+            self._welcome_state()
+            return
         seeds = _compat.seed_variables(self.model)
         self._broadcast_variables(self._state_variables(), "broadcasting the initial weights")
         self._offset_seeds(seeds, SEED_STRIDE * self.comm.rank)
+
+    def _welcome_state(self) -> None:
+        """The leader's weights and optimizer state on every rank of a group that took in ranks coming back
+        (their metric states start at 0: the global sums stay right), and different random streams again."""
+        for optimizer in optimizers_of(self.model):
+            if not optimizer.built:  # a rank that came back: Keras builds it at the first update, after this
+                optimizer.build(self.model.trainable_variables)
+        seeds = _compat.seed_variables(self.model)
+        self._broadcast_variables(self._state_variables(with_optimizers=True),
+                                  "sending the state to the ranks that came back")
+        self._offset_seeds(seeds, SEED_STRIDE * (self.comm.rank - self.comm.leader))
 
     def _calibrate(self, solo: Callable[[], tuple[float, float]]) -> None:
         """Sets automatic shares from each rank's ``solo()`` (samples/s alone, seconds it took)."""

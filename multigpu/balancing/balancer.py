@@ -125,6 +125,26 @@ class LoadBalancer:
         self.advice = Advice(self.devices, log, options.compression)
         self.lost: list[int] = []  # ranks lost during the run: their share is 0 from then on
         self._remeasure = False  # automatic shares after a loss: measure the devices left once
+        self._before_loss: dict[int, float] = {}  # a lost rank's ratio when it was lost
+
+    def ratios_with(self, ranks: Sequence[int]) -> list[float]:
+        """The ratios with lost ``ranks`` back: fixed ratios as given, automatic ones as they were at the loss."""
+        fixed = self.options.spec.values if self.options.spec.kind == "fixed" else None
+        out = list(self.ratios)
+        for r in ranks:
+            out[r] = float(fixed[r]) if fixed else self._before_loss.get(r, sum(out) / max(1, len(out)))
+        return out
+
+    def rejoined(self, ratios: Sequence[float], out: Sequence[int]) -> None:
+        """Lost ranks came back: ``ratios`` (the leader's :meth:`ratios_with`) on every rank, ``out`` the ranks
+        still lost; automatic shares are measured once more over the devices now in the run, then kept."""
+        self.ratios = [float(r) for r in ratios]
+        self.lost = list(out)
+        self.calibrated = True
+        self.search = None
+        self._window = _Window()
+        self._changed = False
+        self._remeasure = self.options.auto and self.options.rebalance
 
     def drop(self, ranks: Sequence[int]) -> None:
         """Gives lost ranks no rows from now on; the others keep their shares relative to each other.
@@ -137,6 +157,7 @@ class LoadBalancer:
         for r in ranks:
             if r not in self.lost:
                 self.lost.append(r)
+                self._before_loss[r] = self.ratios[r]
                 self.ratios[r] = 0.0
         self.search = None
         self._window = _Window()
@@ -144,7 +165,8 @@ class LoadBalancer:
         self._remeasure = self.options.auto and self.options.rebalance
 
     def _measure_survivors(self, rec: StepRecord) -> None:
-        """After a loss, with automatic shares: the devices left's compute speeds over one window set them."""
+        """After a loss (or a rank's return), with automatic shares: the compute speeds of the devices in the run
+        over one window set them."""
         if tuple(rec.samples) not in self._warm:
             self._warm.add(tuple(rec.samples))  # the first step at the new local batch sizes pays their first use
             return
@@ -161,7 +183,8 @@ class LoadBalancer:
         self._remeasure = False
         self._window = _Window()
         detail = ", ".join(f"{self.devices[r].label} {speeds[r]:.0f} samples/s" for r in left)
-        self._log(f"measured the devices left: {detail} -> shares {describe_shares([self.ratios[r] for r in left])}")
+        shares = describe_shares([self.ratios[r] for r in left])
+        self._log(f"measured the devices in the run: {detail} -> shares {shares}")
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:

@@ -66,10 +66,10 @@ class ArraySource:
         else:
             self.order = rng.permutation(self.rows)
 
-    def batches(self, plan_of: Callable[..., StepPlan]) -> Iterator[tuple]:
-        """This rank's rows of each global batch; ``plan_of(rows, again=cut)`` plans each (``cut(plan)`` cuts
-        the same batch by another plan)."""
-        for step in range(self.num_batches):
+    def batches(self, plan_of: Callable[..., StepPlan], first: int = 0) -> Iterator[tuple]:
+        """This rank's rows of each global batch from step ``first`` on; ``plan_of(rows, again=cut)`` plans each
+        (``cut(plan)`` cuts the same batch by another plan)."""
+        for step in range(first, self.num_batches):
             start = step * self.batch_size
             cut = functools.partial(self._cut, start=start)
             yield cut(plan_of(min(self.batch_size, self.rows - start), again=cut))

@@ -32,7 +32,8 @@ class EpochHooks(keras.callbacks.Callback):
     """multigpu's own work at epoch boundaries; runs before the user's callbacks.
 
     At the beginning: the epoch's row order (the same on every rank), and a
-    break in step timing (the gap holds validation and callbacks).  At the
+    break in step timing (the gap holds validation and callbacks); at each
+    batch, the run's position (where a rank that comes back starts).  At the
     end: BatchNorm statistics made equal on every rank (so that checkpoints
     and validation see the same model everywhere), rank 0's weights sent to
     all where the ranks run on different kinds of processor, and the
@@ -47,6 +48,10 @@ class EpochHooks(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.data.set_epoch(epoch)
         self.parallel.timing.break_continuity()
+        self.parallel.position["epoch"], self.parallel.position["step"] = epoch, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.parallel.position["step"] = self.data.first_step(self.parallel.position["epoch"]) + batch
 
     def on_epoch_end(self, epoch, logs=None):
         self.parallel.steps.sync_batchnorm_statistics()

@@ -60,6 +60,15 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
         self.input_time = input_time
         self.epoch = -1
         self.plans: list[StepPlan] = []  # the plans of the pass read last, for prediction
+        self._resume: tuple[int, int] | None = None  # (epoch, step): a rank that came back starts there
+
+    def resume_at(self, epoch: int, step: int) -> None:
+        """Epoch ``epoch``'s passes start at step ``step`` (a rank that came back after a loss; arrays only)."""
+        self._resume = (epoch, step)
+
+    def first_step(self, epoch: int) -> int:
+        """The step epoch ``epoch``'s pass starts at (0 but on a rank that came back, in its first epoch)."""
+        return self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
 
     def set_epoch(self, epoch: int) -> None:
         """Draws epoch ``epoch``'s order (the same on every rank)."""
@@ -80,7 +89,9 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
             plans.append(plan)
             return plan
 
-        return self._timed(self.source.batches(plan_of), plans, convert)
+        first = self.first_step(self.epoch)
+        batches = self.source.batches(plan_of, first=first) if first else self.source.batches(plan_of)
+        return self._timed(batches, plans, convert)
 
     def _lazy(self, convert: bool) -> Iterator[tuple]:
         """A pass started at its first batch, as Keras's numpy and JAX iterators start theirs."""

@@ -10,6 +10,8 @@ rows afterwards, so every rank returns all rows in their original order.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -92,7 +94,9 @@ class Loops:
     def _verbose(self, verbose):
         return verbose if self._writer == 0 else 0
 
-    def _data(self, x, y, sample_weight, batch_size, shuffle, seed, what: str, training: bool) -> ShardedData:
+    def _data(self, x, y, sample_weight, batch_size, shuffle, seed, what: str, training: bool,
+              checked: bool = True) -> ShardedData:
+        """``checked=False`` on a rank that came back: the others checked the data when the call began."""
         p = self.parallel
         kind = input_kind(x)
         if kind == "arrays":
@@ -100,12 +104,13 @@ class Loops:
             rows = num_rows(x, y, sample_weight)
             if training:
                 p.balancer.shares(batch_size)  # a batch that no device cap allows fails here, on every rank
-            p.comm.check_same(rows, f"{what}: the numbers of rows")
+            if checked:
+                p.comm.check_same(rows, f"{what}: the numbers of rows")
         elif seed is None:
             seed = p.comm.shared_seed()  # names this call's input files apart from any other's
         host = Host.of(p.runtime, p.comm, seed or 0)
         source = source_for(x, y, sample_weight, batch_size, shuffle, seed or 0, what, host)
-        if kind in ("pydataset", "dataloader", "tf.data"):
+        if kind in ("pydataset", "dataloader", "tf.data") and checked:
             p.comm.check_same(source.num_batches or -1, f"{what}: the numbers of batches")
         return ShardedData(source, p.balancer.planner, training=training,
                            input_time=p.timing.note_input if training else None)
@@ -114,9 +119,15 @@ class Loops:
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
             validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
             steps_per_epoch=None, validation_steps=None, validation_batch_size=None, validation_freq=1):
-        """Keras ``fit``; ``batch_size`` is the global batch, split by the current shares."""
+        """Keras ``fit``; ``batch_size`` is the global batch, split by the current shares.
+
+        On a lost rank started again (``--max-restarts``), ``fit`` first waits
+        until the others take it in, then starts at their epoch and step.
+        """
         p = self.parallel
-        seed = p.comm.shared_seed()
+        back = self._come_back(x, steps_per_epoch)
+        seed = back["seed"] if back else p.comm.shared_seed()
+        p.position["seed"] = seed
         if input_kind(x) == "arrays":
             num_rows(x, y, sample_weight)  # inputs and targets of one length, checked on every rank
             sample_weight = _with_class_weight(y, sample_weight, class_weight, "fit")
@@ -129,7 +140,8 @@ class Loops:
         elif class_weight is not None:
             raise ValueError("multigpu: `class_weight` needs arrays; for datasets, yield sample weights instead. "
                              f"Received: x of type {type(x).__name__}")
-        train = self._data(x, y, sample_weight, batch_size, shuffle, seed, "fit", training=True)
+        train = self._data(x, y, sample_weight, batch_size, shuffle, seed, "fit", training=True,
+                           checked=back is None)
         val = None
         if validation_data is not None:
             if isinstance(validation_data, (tuple, list)):
@@ -137,23 +149,44 @@ class Loops:
             else:
                 vx, vy, vsw = validation_data, None, None
             val = self._data(vx, vy, vsw, validation_batch_size or batch_size, False, seed, "validation",
-                             training=False)
+                             training=False, checked=back is None)
         p.balancer.begin_fit(train.batch_size, p.signature)
+        if back:
+            p.balancer.rejoined(back["ratios"], back["out"])
+            train.resume_at(back["epoch"], back["step"])
+            initial_epoch = back["epoch"]
         p.steps_per_epoch = steps_per_epoch or train.num_batches
         p.timing.break_continuity()
         try:
-            history = self.keras["fit"](
-                train, epochs=epochs, verbose=self._verbose(verbose),
-                callbacks=[EpochHooks(p, train), *self._callbacks(callbacks)], validation_data=val,
-                shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps, validation_freq=validation_freq,
-            )
+            with warnings.catch_warnings():
+                if back:  # Keras's word for a first epoch that starts at the others' step
+                    warnings.filterwarnings("ignore", message="Your input ran out of data")
+                history = self.keras["fit"](
+                    train, epochs=epochs, verbose=self._verbose(verbose),
+                    callbacks=[EpochHooks(p, train), *self._callbacks(callbacks)], validation_data=val,
+                    shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps, validation_freq=validation_freq,
+                )
         finally:
             for data in (train, val):
                 if data is not None:
                     data.close()
         self._ended("fit")
         return history
+
+    def _come_back(self, x, steps_per_epoch) -> dict | None:
+        """On a lost rank started again: waits until the others take it in, and returns what they sent (the
+        position of their ``fit``: ``seed``, ``epoch``, ``step``; the shares ``ratios``; the ranks still ``out``)."""
+        comm = self.parallel.comm
+        if not getattr(comm, "joining", False):
+            return None
+        if input_kind(x) != "arrays" or steps_per_epoch is not None:
+            from multigpu import failure
+
+            failure.fail("a lost rank comes back in fit() on arrays or tensors held in memory, over whole epochs "
+                         "(no steps_per_epoch), whose batches it can start at the others' step; received x of "
+                         f"type {type(x).__name__}, steps_per_epoch={steps_per_epoch!r}")
+        return comm.rejoin()
 
     def _ended(self, what: str) -> None:
         """Returns once every rank has run its callbacks' end hooks: what rank 0's callbacks wrote at the end

@@ -66,7 +66,9 @@ class State:
         overlap: whether the last training step summed its gradients in buckets while its backward pass ran
             (torch, between machines or on GPUs; see ``MULTIGPU_OVERLAP``).
         lost: the devices lost during the run, oldest first: ``rank``, ``device``, ``why`` and ``at`` (Unix
-            time) each; their share is 0 from then on.
+            time) each; their share is 0 until they come back.
+        joined: the lost devices that came back (``--max-restarts``), oldest first: ``rank``, ``device`` and
+            ``at`` each.
     """
 
     rank: int
@@ -80,6 +82,7 @@ class State:
     quantum: int = 1
     overlap: bool = False
     lost: list[dict] = field(default_factory=list)
+    joined: list[dict] = field(default_factory=list)
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
@@ -121,14 +124,18 @@ class ParallelModel:
         self.steps = steps(self)
         self.loops = Loops(self)
         self.lost: list[dict] = []
+        self.joined: list[dict] = []
+        self.position = {"seed": 0, "epoch": 0, "step": 0}  # of the training data in fit: a returning rank's start
         if hasattr(comm, "on_regroup"):
             method = weakref.WeakMethod(self._regrouped)
             comm.on_regroup(lambda members: method() and method()(members))
 
     def _regrouped(self, members) -> None:
-        """A rank was lost: its shares go to the others from the next plan on (the step plans its batch again)."""
+        """A new group: a lost rank's shares go to the others from the next plan on (the step plans its batch
+        again); ranks that came back get theirs when they are welcomed (:meth:`TorchSteps._welcome`)."""
         self.lost = [dict(e) for e in members.lost]
-        self.balancer.drop([e["rank"] for e in members.lost])
+        self.joined = [dict(e) for e in members.joined]
+        self.balancer.drop([r for r in range(self.runtime.world_size) if r not in members.members])
 
     def signature(self) -> str:
         """The model's profile signature."""
@@ -207,7 +214,8 @@ class ParallelModel:
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
-                     b.quantum, bool(getattr(self.steps, "overlapping", False)), list(self.lost))
+                     b.quantum, bool(getattr(self.steps, "overlapping", False)), list(self.lost),
+                     list(self.joined))
 
 
 def _is_parallel_model(model) -> bool:

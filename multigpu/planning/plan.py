@@ -140,6 +140,11 @@ class StepPlanner:
         plan = StepPlan(tuple(self._shares(plan.total)), self.rank)
         return plan, again(plan)
 
+    @property
+    def can_cut_again(self) -> bool:
+        """Whether the batch being stepped on can be planned and cut again (arrays and tensors held in memory)."""
+        return self._current.get(True, (None, None))[1] is not None
+
     def take(self, local_rows: int) -> StepPlan:
         """The oldest queued plan: the one of the batch this step received.
 

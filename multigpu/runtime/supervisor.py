@@ -18,7 +18,9 @@ does not train; it
 * where the ranks allow it (``parallelize(min_devices=)``), goes on without a
   rank that died by a signal or stopped beating (:mod:`multigpu.membership`):
   it ends that process and writes the new record of members, and the others
-  go on.
+  go on; with restarts left it starts that rank's process again, and writes
+  it back into the record once it says it is ready: the others take it in
+  at their next step.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class Supervisor:
         self.port: int | None = None
         self._reported_at: dict[int, float] = {}
         self.lost: dict[int, str] = {}  # rank -> why it was lost
+        self.joining: dict[int, float] = {}  # rank -> when its process was started again, until it is a member
+        self.restarts_left = 0
 
     # ------------------------------------------------------------ one attempt
     def start(self) -> None:
@@ -94,24 +98,32 @@ class Supervisor:
         env.set_default("GLOO_SOCKET_IFNAME", "lo")
         self.run_dir = run_folder("run")
         listener = loopback_listener()
-        port = self.port = listener.getsockname()[1]
+        self.port = listener.getsockname()[1]
         self.procs = []
         self._reported_at = {}
         self.lost = {}
+        self.joining = {}
         try:
             for r in range(len(self.devices)):
-                child_env = env.copy()
-                child_env.update(rank_environment(r, self.devices, port, self.timeout, self.run_dir, self.ratios))
-                child_env.update(self.env_extra)
-                fds: tuple[int, ...] = ()
-                if r == 0:  # rank 0 serves the rendezvous on the socket opened here
-                    child_env[env.STORE_FD] = str(listener.fileno())
-                    fds = (listener.fileno(),)
-                self.procs.append(subprocess.Popen(self.command, env=child_env, preexec_fn=self._prepare,
-                                                   stdout=self.stdout, stderr=self.stderr,
-                                                   pass_fds=fds))
+                self.procs.append(self._spawn(r, listener if r == 0 else None))
         finally:
             listener.close()
+
+    def _spawn(self, rank: int, listener=None, rejoin: bool = False) -> subprocess.Popen:
+        """Starts ``rank``'s process (rank 0 of a first start serves the rendezvous on ``listener``; a process
+        started again after a loss joins the others at a step of ``fit``, without the testing aid's faults)."""
+        child_env = env.copy()
+        child_env.update(rank_environment(rank, self.devices, self.port, self.timeout, self.run_dir, self.ratios))
+        child_env.update(self.env_extra)
+        fds: tuple[int, ...] = ()
+        if listener is not None:
+            child_env[env.STORE_FD] = str(listener.fileno())
+            fds = (listener.fileno(),)
+        if rejoin:
+            child_env[env.REJOIN] = "1"
+            child_env.pop(env.FAULT, None)
+        return subprocess.Popen(self.command, env=child_env, preexec_fn=self._prepare, stdout=self.stdout,
+                                stderr=self.stderr, pass_fds=fds)
 
     def _prepare(self) -> None:
         """In each rank's process before it runs: its cores, and its tie to this process."""
@@ -170,7 +182,14 @@ class Supervisor:
         failure = self.failure() or self._hung()
         if failure is not None and not self._lose(*failure):
             return failure
-        if all(p.poll() == 0 for r, p in enumerate(self.procs) if r not in self.lost):
+        self._admit()
+        members = [p for r, p in enumerate(self.procs) if r not in self.lost and r not in self.joining]
+        if all(p.poll() == 0 for p in members):
+            for r in list(self.joining):  # came back too late: the run ended before it could take part
+                self.procs[r].kill()
+                self.procs[r].wait()
+                self.joining.pop(r)
+                self.lost[r] = "started again, but the run ended before it could rejoin"
             return 0, None
         return None, None
 
@@ -191,7 +210,7 @@ class Supervisor:
         The process is ended (a stopped one killed) before the new record of members is written, so that it
         can no longer touch what the others share.
         """
-        left = [r for r in range(len(self.procs)) if r != rank and r not in self.lost]
+        left = [r for r in self._members() if r != rank]
         floor = membership.shrink_allowed(self.run_dir, left) if self.run_dir else None
         if code >= 0 or floor is None or read_failure(self.run_dir, rank):
             return False
@@ -208,14 +227,44 @@ class Supervisor:
             proc.kill()
             proc.wait()
         self.lost[rank] = why
-        old = membership.read(self.run_dir)
-        record = membership.Members(
-            (old.generation if old else 0) + 1, tuple(left),
-            (*(old.lost if old else ()), {"rank": rank, "device": label, "why": why, "at": time.time()}))
-        membership.write(self.run_dir, record)
+        if self.joining.pop(rank, None) is None:  # a member (one still coming back is in no group yet)
+            old = membership.read(self.run_dir)
+            entry = {"rank": rank, "device": label, "why": why, "at": time.time()}
+            membership.write(self.run_dir, membership.Members(
+                (old.generation if old else 0) + 1, tuple(left), (*(old.lost if old else ()), entry),
+                old.joined if old else ()))
         print(f"multigpu: rank {rank} ({label}) {why}; going on with {len(left)} device(s): "
               f"{', '.join(self.devices[r].label for r in left)}.", file=sys.stderr, flush=True)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            membership.forget_rank(self.run_dir, rank)
+            self._reported_at.pop(rank, None)
+            self.procs[rank] = self._spawn(rank, rejoin=True)
+            self.lost.pop(rank)  # watched again: a failure of the new process is one
+            self.joining[rank] = time.time()
+            print(f"multigpu: starting rank {rank} ({label}) again; it rejoins at a step of fit "
+                  f"({self.restarts_left} restart(s) left).", file=sys.stderr, flush=True)
         return True
+
+    def _members(self) -> list[int]:
+        """The ranks in the run, in the order of the record (survivors first, then ranks that came back)."""
+        record = membership.read(self.run_dir)
+        order = list(record.members) if record else list(range(len(self.procs)))
+        return [r for r in order if r not in self.lost and r not in self.joining]
+
+    def _admit(self) -> None:
+        """Counts a restarted rank that reached its ``fit`` among the members again (a new record)."""
+        for rank in [r for r in self.joining if membership.is_ready(self.run_dir, r)]:
+            started = self.joining.pop(rank)
+            old = membership.read(self.run_dir)
+            label = self.devices[rank].label
+            members = (*self._members(), rank)
+            entry = {"rank": rank, "device": label, "at": time.time()}
+            membership.write(self.run_dir, membership.Members(
+                (old.generation if old else 0) + 1, members, old.lost if old else (),
+                (*(old.joined if old else ()), entry)))
+            print(f"multigpu: rank {rank} ({label}) is ready again ({time.time() - started:.1f} s after its "
+                  "start); the others take it in at their next step.", file=sys.stderr, flush=True)
 
     def describe_failure(self, code: int, rank: int) -> str:
         """``rank 1 (CPU:1) exited with code 1: <the reason the rank gave>``."""
@@ -261,9 +310,9 @@ class Supervisor:
             os._exit(128 + signum)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.restarts_left = max_restarts
         try:
-            code = 1
-            for attempt in range(max_restarts + 1):
+            while True:
                 self.start()
                 code, failed = self.wait()
                 if failed is None:
@@ -272,10 +321,11 @@ class Supervisor:
                 print(f"{prefix}: {self.describe_failure(code, failed)}; stopping the other ranks.",
                       file=sys.stderr, flush=True)
                 self.stop()
-                if attempt < max_restarts:
-                    print(f"{prefix}: restarting all ranks ({attempt + 1} of {max_restarts}).",
-                          file=sys.stderr, flush=True)
-            return code if code > 0 else 1
+                if self.restarts_left <= 0:
+                    return code if code > 0 else 1
+                self.restarts_left -= 1
+                print(f"{prefix}: restarting all ranks ({max_restarts - self.restarts_left} of {max_restarts}).",
+                      file=sys.stderr, flush=True)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)

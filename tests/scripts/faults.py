@@ -38,12 +38,13 @@ def main() -> None:
     p.add_argument("--min-devices", type=int, default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (time for a restart)")
     a = p.parse_args()
     model = build()
     if not a.plain:
         import multigpu
 
-        ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
+        ratios = a.ratios if a.ratios in (None, "auto") else [float(r) for r in a.ratios.split(",")]
         model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios,
                                      min_devices=a.min_devices, timeout=30)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy",
@@ -52,18 +53,24 @@ def main() -> None:
     vx, vy = data(96, 1)
     folder = os.path.dirname(os.path.abspath(a.out))
     checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(folder, "checkpoint.keras"))
+    callbacks = [checkpoint]
+    if a.step_sleep:
+        import time
+
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: time.sleep(a.step_sleep)))
     hist = model.fit(x, y, batch_size=48, epochs=a.epochs, shuffle=False, verbose=0, validation_data=(vx, vy),
-                     callbacks=[checkpoint])
-    lost, rank = [], 0
+                     callbacks=callbacks)
+    lost, joined, rank = [], [], 0
     if not a.plain:
         state = multigpu.state(model)
-        lost, rank = state.lost, state.rank
+        lost, joined, rank = state.lost, state.joined, state.rank
         print(f"rank {rank} shares {[round(r, 3) for r in state.ratios]} lost {[e['rank'] for e in lost]}",
               flush=True)
         if rank != min(set(range(state.world_size)) - {e["rank"] for e in lost}):
-            return
+            return  # the writer: the lowest rank never lost
     arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
-    np.savez(a.out, history=json.dumps(hist.history), lost=json.dumps(lost), **arrays)
+    np.savez(a.out, history=json.dumps(hist.history), lost=json.dumps(lost), joined=json.dumps(joined),
+             **arrays)
 
 
 if __name__ == "__main__":

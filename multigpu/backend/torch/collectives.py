@@ -65,6 +65,8 @@ class Comm:
         self.members: list[int] = list(range(self.world_size))
         self.generation = 0
         self.min_devices: int | None = None  # set by a run that may go on without a lost device
+        self.joining = env.get(env.REJOIN) == "1"  # a lost rank started again, in no group until rejoin()
+        self.rejoined = False  # this process came back: its first step takes the others' state
         self._on_regroup: list[Callable[[membership.Members], None]] = []
         self.host = host
         cuda = runtime.device.is_cuda and not host
@@ -113,20 +115,22 @@ class Comm:
         return membership.await_change(env.get(env.RUN_DIR), self.generation, membership.LOST_AFTER + 2.0)
 
     def regroup(self, members: membership.Members) -> None:
-        """Leaves the broken process group and forms one of the survivors (a new generation).
+        """Leaves the process group and forms the one of ``members`` (a new generation: the ranks left after a
+        loss, or the ranks in the run with those coming back).
 
         The engine's own group again: gloo (or NCCL) over a file store in the
-        run's folder, named by generation, so that no survivor meets a
-        process of the old group.
+        run's folder, named by generation, so that no rank meets a process
+        of the old group.
         """
         if members.generation <= self.generation:
             return
-        dead = [r for r in self.members if r not in members.members]
-        try:
-            dist.destroy_process_group()
-        except Exception:  # pragma: no cover - a group broken beyond its own cleanup
-            pass
-        self.members, self.generation = list(members.members), members.generation
+        before = list(self.members)
+        if not self.joining:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # pragma: no cover - a group broken beyond its own cleanup
+                pass
+        self.members, self.generation, self.joining = list(members.members), members.generation, False
         if self.rank not in self.members:
             failure.fail("the supervisor declared this rank lost")
         run_dir = env.get(env.RUN_DIR)
@@ -139,12 +143,40 @@ class Comm:
                                     world_size=len(self.members),
                                     timeout=datetime.timedelta(seconds=self.runtime.timeout), **kwargs)
         except Exception as exc:
-            failure.fail(f"could not form a group of the ranks left ({self.members}) after losing {dead}: "
+            failure.fail(f"could not form a group of ranks {self.members} (before: {before}): "
                          f"{type(exc).__name__}: {exc}")
         if self._shm is not None:
             self._shm = _SharedMemory(self, self.runtime.timeout)
         for listener in self._on_regroup:
             listener(members)
+
+    def join_waiting(self) -> bool:
+        """Whether the record (as the heartbeat thread last read it) counts ranks coming back that are not in
+        this group yet."""
+        found = membership.latest()
+        return found is not None and found.generation > self.generation and bool(found.newcomers(self.members))
+
+    def rejoin(self):
+        """On a lost rank started again: says it is ready, waits until the others form a group with it, and
+        returns what the leader sends (:meth:`welcome`)."""
+        run_dir = env.get(env.RUN_DIR)
+        membership.say_ready(self.rank)
+        while True:
+            found = membership.read(run_dir)
+            if found is not None and self.rank in found.members:
+                break
+            time.sleep(0.02)
+        membership.await_welcome(run_dir, found.generation)
+        self.regroup(found)
+        self.rejoined = True
+        return self.welcome(None)
+
+    def welcome(self, message):
+        """The leader's ``message`` on every rank of the group (the run's position, for ranks coming back)."""
+        box = [message]
+        with self.fatal("welcoming the ranks that came back"):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     @property
     def _group_backend(self) -> str:
@@ -166,6 +198,10 @@ class Comm:
     def _again_after_loss(self, call: Callable[[], object]):
         """``call()``, made again over the survivors when a peer is lost during it (for collectives whose
         inputs do not depend on who is in the run)."""
+        if self.joining:
+            failure.fail("a lost rank started again takes part from its script's fit() on: this script calls "
+                         "evaluate(), predict() or a save on the parallel model before fit(), which the ranks in "
+                         "the run made long ago")
         while True:
             try:
                 return call()
@@ -230,16 +266,16 @@ class Comm:
             return t.tolist()
         return self._again_after_loss(call)
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0,
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int | None = None,
                   what: str = "broadcasting the initial weights") -> None:
-        """Copies rank ``src``'s tensors (the leader's, once ``src`` is lost) into every rank's (one flat
-        broadcast per dtype)."""
+        """Copies rank ``src``'s tensors (default: the leader's, which is also used once ``src`` is lost) into
+        every rank's (one flat broadcast per dtype)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
 
         def call() -> None:
-            origin = self.members.index(src if src in self.members else self.leader)
+            origin = self.members.index(src if src is not None and src in self.members else self.leader)
             with self.fatal(what):
                 for group in by_dtype.values():
                     flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)

@@ -52,6 +52,8 @@ def join(runtime, process_group: str | None = None) -> None:
         process_group: ``"gloo"`` or ``"nccl"``; by default NCCL when every device is a GPU, else gloo (the
             TensorFlow backend, which sums on the host, asks for gloo).
     """
+    if env.get(env.REJOIN) == "1":
+        return  # a lost rank started again: it joins a group of the others at a step of fit (Comm.rejoin)
     backend = process_group or process_group_backend(runtime)
     kwargs = {"backend": backend, "rank": runtime.rank, "world_size": runtime.world_size,
               "timeout": datetime.timedelta(seconds=runtime.timeout)}

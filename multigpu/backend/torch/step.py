@@ -25,7 +25,11 @@ When a rank is lost during a step (:mod:`multigpu.membership`), its sum
 raises :class:`~multigpu.membership.PeerLostError` before any weight changed: the
 step puts back what its forward pass changed (metric states, non-trainable
 variables such as BatchNorm's moving statistics), plans the same global batch
-over the ranks left, and runs again on its new rows.
+over the ranks left, and runs again on its new rows.  When a lost rank's
+process, started again, waits to come back, the ranks say so in the sum's
+last word; at the next step they form a group with it, send it the run's
+position and state (:meth:`TorchSteps._welcome`), and plan that step's batch
+over every device in the run.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import warnings
 import keras
 import torch
 
-from multigpu import failure, membership
+from multigpu import env, failure, membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
 from multigpu.backend.steps import StepsCore
@@ -79,6 +83,7 @@ class TorchSteps(StepsCore):
         self._replay: list[tuple] = []
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
+        self._welcome_due = False  # the last sum said ranks coming back wait: take them in at this step
         if self.sync_batchnorm:
             install_global_moments(model, parallel.ledger)
 
@@ -114,6 +119,9 @@ class TorchSteps(StepsCore):
         self._initialize()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
+        if self._welcome_due:
+            plan, data = self._welcome()
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if not self.balancer.calibrated:
             self._calibrate_on(x, y, sample_weight, plan)
         while True:
@@ -160,6 +168,43 @@ class TorchSteps(StepsCore):
                   f"{time.time() - entry['at']:.1f} s after the loss ({time.perf_counter() - began:.2f} s to "
                   "agree).", flush=True)
         return data, plan
+
+    def _word(self) -> list[float]:
+        """The sum's last word: 1 where ranks coming back wait to be taken in (and this batch can be cut again
+        for them), else 0; every rank reads the same sum, so all take them in at the same step."""
+        waiting = (self.comm.min_devices is not None and self.comm.join_waiting()
+                   and self.balancer.planner.can_cut_again)
+        return [1.0 if waiting else 0.0]
+
+    def _welcome(self):
+        """Takes in the ranks coming back, before this step: a group with them, the run's position and the
+        leader's shares for them, the leader's state everywhere (:meth:`StepsCore._initialize` on their
+        side), and this step's global batch planned over every device: ``(new plan, this rank's rows)``."""
+        self._welcome_due = False
+        began = time.perf_counter()
+        run_dir = env.get(env.RUN_DIR)
+        found = membership.read(run_dir)
+        newcomers = found.newcomers(self.comm.members)
+        leader = self.comm.rank == self.comm.leader
+        if leader:
+            membership.open_welcome(run_dir, found.generation)
+        self.comm.regroup(found)
+        position = self.parallel.position
+        message = self.comm.welcome({
+            **position, "ratios": self.balancer.ratios_with(newcomers),
+            "out": [r for r in range(self.comm.world_size) if r not in found.members]} if leader else None)
+        self.balancer.rejoined(message["ratios"], message["out"])
+        self._welcome_state()
+        plan, data = self.balancer.planner.again(True)
+        if leader:
+            came = ", ".join(f"rank {r} ({self.comm.runtime.devices[r].label})" for r in newcomers)
+            losses = {e["rank"]: e["at"] for e in found.lost}
+            since = "; ".join(f"{time.time() - losses[r]:.1f} s after its loss" for r in newcomers if r in losses)
+            shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
+            print(f"multigpu: {came} rejoined at epoch {position['epoch'] + 1}, step {position['step'] + 1}: rows "
+                  f"{shares} of {plan.total}; {since} ({time.perf_counter() - began:.2f} s to take it in).",
+                  flush=True)
+        return plan, data
 
     def _train_on(self, data, x, y, sample_weight, plan):
         membership.at("forward", self.comm.rank)
@@ -209,7 +254,7 @@ class TorchSteps(StepsCore):
                 loss = model.optimizer.scale_loss(loss)
             if trainable:
                 loss.backward()
-        extras = self.metrics.pack(logs_local, local, self.timing.vector(), "train")
+        extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word()], "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         grads, summed = self.sync.sum([v.value.grad for v in trainable], trainable, extras)
@@ -236,7 +281,7 @@ class TorchSteps(StepsCore):
         else:
             logs_local = None
             self.sync.replay(self._replay)
-        return self._sum_logs(logs_local, plan.local, self.timing.vector(), "train")
+        return self._sum_logs(logs_local, plan.local, [*self.timing.vector(), *self._word()], "train")
 
     def _sum_logs(self, logs_local, rows: int, timing: list[float], phase: str):
         vec = self.metrics.pack(logs_local, rows, timing, phase)
@@ -249,9 +294,12 @@ class TorchSteps(StepsCore):
         return self._finish(summed[:-1].tolist(), phase, len(timing))
 
     def _finish(self, summed: list[float], phase: str, n_timing: int | None = None):
-        n_timing = self.timing.size if n_timing is None else n_timing
+        """The global logs; a training step's timing slots (and the last word) read."""
+        n_timing = self.timing.size + 1 if n_timing is None else n_timing
         logs, timing = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
+            self._welcome_due = timing[-1] > 0
+            timing = timing[:-1]
             self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size, complete=True,
                                                         members=self.comm.members))
         return logs
@@ -331,8 +379,8 @@ class TorchSteps(StepsCore):
         """Global results (local inside a step, where the step makes them global itself)."""
         if self.metrics.updates_only:
             return {}
-        if self.metrics.local:
-            return self.keras_metrics_result()
+        if self.metrics.local or (self.comm.rejoined and not self._initialized):
+            return self.keras_metrics_result()  # (Keras's build, on a rank that came back: the others are in a step)
         return self.metrics.global_results()
 
     def reset_metrics(self):
