@@ -68,7 +68,7 @@ def main() -> None:
     state = multigpu.state(model)
     if state.rank == min(set(range(state.world_size)) - {e["rank"] for e in state.lost}):
         with open(a.out, "w") as f:
-            json.dump({"lost": state.lost, "ratios": state.ratios}, f)
+            json.dump({"lost": state.lost, "joined": state.joined, "ratios": state.ratios}, f)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A device lost mid-epoch: how long the survivors take to go on, and how fast they go after it.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_faults.py     # ~3 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_faults.py     # ~4 min
 
 Three devices train the convnet of ``_input_worker.py`` (width 2, in-memory images, global batch 128,
 ``--steps`` steps an epoch, 3 epochs, SGD) at fixed ratios 1:2:1: ``cpu:0`` and ``cpu:1`` on a core
@@ -11,7 +11,10 @@ step ``--kill-at`` of epoch 2, once per run.  Three ways:
 * ``survivors``: a fresh run on the survivors alone (``cpu:0,cpu:1`` at 1:2, the shares the shrunk
   run goes on with), no fault: what the shrunk run should match after the loss;
 * ``restart``: ``multigpu run --max-restarts 1`` with ``keras.callbacks.BackupAndRestore`` (a backup
-  per epoch): every rank restarts, and the run resumes after epoch 1.
+  per epoch): every rank restarts, and the run resumes after epoch 1;
+* ``rejoin``: ``multigpu run --min-devices 2 --max-restarts 1``, over 5 epochs: the survivors go on,
+  rank 2's process is started again and rejoins; samples/s of its last epoch (all three devices again)
+  against the same run's before the loss.
 
 Printed and written to ``benchmarks/results/faults.json``: the time from the death (the supervisor's
 record of it, within 50 ms of it; under restart, the end of the last step before it) to the end of the
@@ -77,6 +80,9 @@ def main() -> None:
             fresh = _run("cpu:0,cpu:1", "1,2", [], worker, {}, folder, "survivors")
             restart = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--max-restarts", "1"],
                            [*dying, "--backup", str(folder / "backup")], {}, folder, "restart")
+            rejoin = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--min-devices", "2", "--max-restarts", "1"],
+                          ["--steps", str(a.steps), "--epochs", "5", "--die-at", str(a.steps + a.kill_at)], {},
+                          folder, "rejoin")
         death = shrink["out"]["lost"][0]["at"]
         after = next(at for at, _, _ in shrink["marks"] if at > death)
         # The first attempt's last step before the death, then the restarted run's first step (it resumes epoch 2).
@@ -95,13 +101,18 @@ def main() -> None:
                                   "survivors": fresh["ended"] - fresh["began"],
                                   "restart": restart["ended"] - restart["began"]},
             "shares_after": shrink["out"]["ratios"],
+            "rejoin_seconds_from_death_to_ready": rejoin["out"]["joined"][0]["at"] - rejoin["out"]["lost"][0]["at"],
+            "rejoin_before_samples_per_second": _rate(rejoin["marks"], 1, 3, a.kill_at - 2),
+            "rejoin_after_samples_per_second": _rate(rejoin["marks"], 4, *steady),
+            "rejoin_shares_after": rejoin["out"]["ratios"],
         }
+        row["rejoin_after_vs_before"] = row["rejoin_after_samples_per_second"] / row["rejoin_before_samples_per_second"]
         row["after_vs_survivors"] = row["after_samples_per_second"] / row["survivors_samples_per_second"]
         rounds.append(row)
         print(json.dumps(row), flush=True)
     keys = ["seconds_from_death_to_next_step", "before_samples_per_second", "after_samples_per_second",
             "survivors_samples_per_second", "after_vs_survivors", "restart_seconds_from_death_to_next_step",
-            "restart_steps_done_again"]
+            "restart_steps_done_again", "rejoin_seconds_from_death_to_ready", "rejoin_after_vs_before"]
     summary = {k: statistics.median(r[k] for r in rounds) for k in keys}
     summary["seconds_to_finish"] = {w: statistics.median(r["seconds_to_finish"][w] for r in rounds)
                                     for w in ("shrink", "survivors", "restart")}
