@@ -5,12 +5,16 @@ Python but not from a reader).  The layers, bottom to top, are listed in
 :data:`LAYERS`; a module may import its own folder and any layer below.  Only
 ``backend/<name>/`` imports torch, JAX or TensorFlow (the readers of their
 own input types and the benchmark harness excepted: :data:`FRAMEWORK_USERS`),
-and each backend declares its facts there.
+and each backend declares its facts there.  Every Keras internal the package
+reaches is declared where ``compat.check`` looks it up.
 """
 
 import ast
 import collections
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "multigpu"
 
@@ -135,3 +139,45 @@ def test_every_backend_declares_its_facts_in_its_own_folder():
         namespace: dict = {}  # run the file alone: importing it as a module would run its backend's __init__
         exec(compile(facts_file.read_text(), str(facts_file), "exec"), namespace)
         assert isinstance(namespace["FACTS"], Facts) and namespace["FACTS"].name == name
+
+
+# ------------------------------------------------------------------ Keras internals
+_ADDED = {"_initialize_ddp"}  # set on the model where Keras has it (3.16) or not: nothing of Keras's is needed
+
+
+def test_every_keras_internal_the_package_reaches_is_declared_for_the_compat_check():
+    """Every ``obj._name`` (and ``getattr(obj, "_name")``) in ``_keras/compat.py`` and every name any module sets
+    through a ledger is in ``compat.INTERNALS`` (so ``compat.check`` looks it up at ``parallelize``), a public
+    Keras name, or multigpu's own (``_multigpu_*``)."""
+    import keras
+
+    from multigpu._keras import compat
+
+    declared = {a for _, a, _ in compat.INTERNALS}
+    text = (ROOT / "_keras" / "compat.py").read_text()
+    reached = set(re.findall(r"\b(?:model|layer|optimizer|callback|metric|_optimizer)\.(_[a-z]\w*)", text))
+    reached |= set(re.findall(r"getattr\(\w+, \"(_[a-z]\w*)\"", text))
+    reached -= {"_multigpu_blockwise", "_multigpu_sync"}
+    assert reached and reached <= declared, sorted(reached - declared)
+    set_names = set()
+    for path in ROOT.rglob("*.py"):
+        set_names |= set(re.findall(r"ledger\.set\([\w.]+, \"(\w+)\"", path.read_text()))
+    private = {n for n in set_names if n.startswith("_") and not n.startswith("_multigpu_")} - _ADDED
+    assert private <= declared, sorted(private - declared)
+    public = {n for n in set_names if not n.startswith("_")}
+    assert all(hasattr(keras.Model, n) or hasattr(keras.optimizers.Optimizer, n)
+               or hasattr(keras.callbacks.BackupAndRestore("x"), n) for n in public), public
+
+
+def test_the_compat_check_names_a_missing_internal_and_the_keras_version(monkeypatch):
+    import keras
+
+    from multigpu._keras import compat
+
+    monkeypatch.setattr(compat, "_CHECKED", False)
+    compat.check()  # this Keras has them all
+    monkeypatch.setattr(compat, "_CHECKED", False)
+    monkeypatch.setattr(compat, "INTERNALS", [*compat.INTERNALS, ("BatchNormalization", "_moments_gone", None)])
+    with pytest.raises(RuntimeError, match=rf"Keras {re.escape(keras.__version__)} does not have: "
+                                           r"BatchNormalization\._moments_gone\. multigpu is tested with Keras"):
+        compat.check()

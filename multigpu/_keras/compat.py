@@ -37,6 +37,21 @@ __all__ = [
 
 TESTED = ((3, 10), (3, 17))  # [first, last) minor versions the suite ran with (make compat); pyproject.toml agrees
 
+# Every internal the accessors below reach, as (owner, attribute, backends or None for all), declared by
+# ``@_uses`` on the accessor itself; :func:`check` verifies each on a small object of its owner's kind, and
+# ``tests/test_layers.py`` checks that every ``._name`` in this file and every name the package's ledgers
+# set on a Keras object is declared here.
+INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = []
+_CHECKED = False
+
+
+def _uses(owner: str, *attributes: str, backends: tuple[str, ...] | None = None):
+    """Declares the Keras internals (``owner``'s ``attributes``) the decorated accessor reaches."""
+    def declare(fn):
+        INTERNALS.extend((owner, a, backends) for a in attributes)
+        return fn
+    return declare
+
 try:  # the base class Keras accepts as input as-is (get_data_adapter returns it unchanged)
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 except ImportError as exc:  # pragma: no cover - depends on the Keras release
@@ -59,39 +74,72 @@ def keras_version() -> tuple[int, int]:
 
 
 def check() -> None:
-    """Fails clearly when this Keras lacks an internal multigpu needs.
+    """Fails clearly when this Keras lacks an internal multigpu needs (every one in :data:`INTERNALS`, looked up
+    on small objects of its owner's kind, once per process).
 
     Raises:
         RuntimeError: naming the Keras version and the missing piece.
     """
+    global _CHECKED
+    if _CHECKED:
+        return
     missing = []
     if _IMPORT_ERROR is not None:
         missing.append(f"keras.src.trainers.data_adapters' DataAdapter and PyDatasetAdapter ({_IMPORT_ERROR})")
-    model_attrs = ("_compute_loss", "_flatten_layers", "compute_metrics", "get_metrics_result", "train_step")
-    if keras.backend.backend() == "jax":
-        model_attrs += ("_update_metrics_variables", "compute_loss_and_updates", "metrics_variables")
-    if keras.backend.backend() == "tensorflow":
-        model_attrs += ("_symbolic_build",)
-    missing += [f"Model.{a}" for a in model_attrs if not hasattr(keras.Model, a)]
-    optimizer_attrs = ("apply", "_get_variable_index")
-    missing += [f"Optimizer.{a}" for a in optimizer_attrs if not hasattr(keras.optimizers.Optimizer, a)]
-    if keras.backend.backend() == "torch":
-        missing += [f"{cls.__name__}._parallel_update_step" for cls in torch_optimizer_classes().values()
-                    if not hasattr(cls, "_parallel_update_step")]
-    if not hasattr(keras.layers.BatchNormalization, "_moments"):
-        missing.append("BatchNormalization._moments")
-    if not hasattr(keras.callbacks.BackupAndRestore, "_save_model"):
-        missing.append("BackupAndRestore._save_model")
+    backend = keras.backend.backend()
+    public = [("Model", a) for a in ("compute_metrics", "get_metrics_result", "train_step")]
+    public += [("Optimizer", "apply")]
+    if backend == "jax":
+        public += [("Model", "compute_loss_and_updates"), ("compiled Model", "metrics_variables")]
+    wanted = public + [(owner, a) for owner, a, backends in INTERNALS if backends is None or backend in backends]
+    probes: dict[str, list] = {}
+    for owner, attribute in dict.fromkeys(wanted):
+        if owner not in probes:
+            try:
+                probes[owner] = _probes(owner)
+            except Exception:  # the probe itself needs an internal that moved
+                probes[owner] = []
+        if not probes[owner] or not all(hasattr(p, attribute) for p in probes[owner]):
+            missing.append(f"{owner}.{attribute}")
     if missing:
         raise RuntimeError(
             f"multigpu needs Keras internals that Keras {keras.__version__} does not have: {', '.join(missing)}. "
             f"multigpu is tested with Keras {_tested()}; install one of those (pip install '{_requirement()}')."
         )
+    _CHECKED = True
     if not TESTED[0] <= keras_version() < TESTED[1]:
         import warnings
 
         warnings.warn(f"multigpu is tested with Keras {_tested()}; this is Keras {keras.__version__}.",
                       stacklevel=3)
+
+
+def _probes(owner: str) -> list:
+    """Small objects of ``owner``'s kind to look internals up on (classes where the internal is a method, built
+    instances where it is set when built or compiled); empty where the kind itself moved."""
+    import numpy as np
+
+    if owner == "Model":
+        return [keras.Model]
+    if owner in ("compiled Model", "CompileMetrics"):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        x = np.zeros((2, 2), "float32")
+        model._symbolic_build(data_batch=(x, np.zeros((2, 1), "float32")))
+        return [model] if owner == "compiled Model" else [m for m in model.metrics if type(m).__name__ == owner]
+    if owner == "Optimizer":
+        optimizer = keras.optimizers.SGD()
+        optimizer.build([keras.Variable(np.zeros(1, "float32"))])
+        return [optimizer]
+    if owner == "BatchNormalization":
+        layer = keras.layers.BatchNormalization()
+        layer.build((None, 2))
+        return [layer]
+    if owner == "BackupAndRestore":
+        return [keras.callbacks.BackupAndRestore("multigpu-probe")]
+    if owner == "torch optimizers":
+        return list(torch_optimizer_classes().values())
+    raise ValueError(f"unknown owner of Keras internals: {owner!r}")
 
 
 def _tested() -> str:
@@ -104,6 +152,7 @@ def _requirement() -> str:
     return f"keras>={a}.{b},<{c}.{d}"
 
 
+@_uses("Model", "_compute_loss")
 def compute_loss(model, x, y, y_pred, sample_weight, training: bool = True):
     """``model.compute_loss`` (respecting overrides), as Keras's own steps call it.
 
@@ -113,27 +162,32 @@ def compute_loss(model, x, y, y_pred, sample_weight, training: bool = True):
     return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
 
 
+@_uses("Model", "_compute_loss")
 def wrap_compute_loss(model, wrapper) -> None:
     """Replaces the model's ``_compute_loss`` (what Keras's steps call) by ``wrapper(_compute_loss)``."""
     object.__setattr__(model, "_compute_loss", wrapper(model._compute_loss))
 
 
+@_uses("Model", "_symbolic_build")
 def symbolic_build(model, data_batch) -> None:
     """Builds ``model``'s layers, compiled metrics and loss and its optimizer from a batch's shapes, as Keras's
     torch and JAX ``fit`` do before the first step (``Trainer._symbolic_build``)."""
     model._symbolic_build(data_batch=data_batch)
 
 
+@_uses("compiled Model", "_loss_tracker")
 def loss_tracker(model):
     """The ``Mean`` metric behind the ``loss`` log (``Trainer._loss_tracker``), or None."""
     return getattr(model, "_loss_tracker", None)
 
 
+@_uses("compiled Model", "_compile_metrics")
 def compile_metrics(model):
     """The metrics given to ``compile`` (``Trainer._compile_metrics``), or None."""
     return getattr(model, "_compile_metrics", None)
 
 
+@_uses("CompileMetrics", "_flat_metrics", "_flat_weighted_metrics")
 def named_results(metric) -> list[tuple[str, object]] | None:
     """The (name, inner metric) pairs of ``metric.result()``'s dict, for Keras's ``CompileMetrics``.
 
@@ -172,42 +226,50 @@ def named_results(metric) -> list[tuple[str, object]] | None:
     return out
 
 
+@_uses("compiled Model", "_call_has_training_arg")
 def call_has_training_arg(model) -> bool:
     """Whether ``model.call`` takes ``training`` (``Layer._call_has_training_arg``)."""
     return bool(getattr(model, "_call_has_training_arg", True))
 
 
+@_uses("Model", "_flatten_layers")
 def flatten_layers(model) -> list:
     """Every layer nested in ``model`` (``Layer._flatten_layers``)."""
     return list(model._flatten_layers(include_self=False))
 
 
+@_uses("BatchNormalization", "_moments")
 def batchnorm_moments(layer):
     """The ``(inputs, mask) -> (mean, variance)`` a ``BatchNormalization`` layer trains with (``_moments``)."""
     return layer._moments
 
 
+@_uses("BatchNormalization", "_reduction_axes")
 def batchnorm_axes(layer) -> list[int]:
     """The axes a ``BatchNormalization`` layer reduces over (``_reduction_axes``, set when it is built)."""
     return list(layer._reduction_axes)
 
 
+@_uses("BatchNormalization", "_moments")
 def replace_batchnorm_moments(layer, moments, ledger) -> None:
     """Makes ``layer`` train with ``moments(inputs, mask) -> (mean, variance)`` instead of its own (noted in the
     model's ``ledger``)."""
     ledger.set(layer, "_moments", moments)
 
 
+@_uses("Model", "_update_metrics_variables", backends=("jax",))
 def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight):
     """Keras's JAX trainer's stateless metric update (``_update_metrics_variables``): ``(logs, new states)``."""
     return model._update_metrics_variables(metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)
 
 
+@_uses("Optimizer", "_trainable_variables")
 def optimizer_variables(optimizer) -> list:
     """The variables an optimizer was built with (``Optimizer._trainable_variables``)."""
     return list(optimizer._trainable_variables)
 
 
+@_uses("torch optimizers", "_parallel_update_step", backends=("torch",))
 def update_step_owner(optimizer):
     """The class whose ``_parallel_update_step`` (Keras's torch optimizers' update) ``optimizer`` runs, or None."""
     for cls in type(optimizer).__mro__:
@@ -226,6 +288,7 @@ def torch_optimizer_classes() -> dict:
     return {"SGD": torch_sgd.SGD, "RMSprop": torch_rmsprop.RMSprop, "Adam": torch_adam.Adam}
 
 
+@_uses("Optimizer", "_get_variable_index")
 def optimizer_slot(optimizer, name: str, variable):
     """The optimizer's state variable ``name`` (``"_velocities"``, ...) for ``variable`` (``_get_variable_index``)."""
     return getattr(optimizer, name)[optimizer._get_variable_index(variable)]
@@ -236,6 +299,7 @@ def seed_variables(model) -> list:
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
+@_uses("BackupAndRestore", "_save_model", "_weights_path", "delete_checkpoint")
 def silence_backup_saving(callback, ledger) -> None:
     """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``).
 
@@ -265,6 +329,7 @@ def class_weight_to_sample_weights(y, class_weight: dict):
     return weights
 
 
+@_uses("compiled Model", "_compile_loss")
 def compiled_loss(model):
     """The loss object ``compile`` built (``Trainer._compile_loss``), or None."""
     return getattr(model, "_compile_loss", None)
