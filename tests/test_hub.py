@@ -63,6 +63,11 @@ def test_keras_hub_tasks_reproduce_one_device(runner, references, backend, ratio
             assert got[f"{task}_evaluate"][key] == pytest.approx(value, rel=1e-5), f"{task} {key}"
         np.testing.assert_allclose(got[f"{task}_predict"], plain[f"{task}_predict"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got["lm_generate"], plain["lm_generate"])
+    # The task's own fit reached multigpu's through the model's own subclass: keras.Model stayed Keras's, the
+    # save names the task's class, and unparallelize gives the model its class back.
+    assert bool(got["keras_model_unchanged"])
+    assert got["saved_as"] == "keras_hub>GPT2CausalLM"
+    assert got["class_while_parallel"] == ["GPT2CausalLM", True] and bool(got["class_after"])
     # The task's preprocessing runs on rank 0 only, once per global batch; the other ranks run it once per
     # dataset the task builds (keras-hub's probe of the first batch: fit's two, evaluate's and predict's).
     assert int(got["preprocess_calls"]) > 4

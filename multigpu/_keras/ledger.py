@@ -3,7 +3,8 @@
 multigpu changes no Keras class for a plain model: it gives the objects of
 one model their own attributes (the model's steps and loops, its optimizers'
 ``apply`` and update, its BatchNorm layers' ``_moments``, a
-``BackupAndRestore``'s writing).  Each such change goes through
+``BackupAndRestore``'s writing, and, for a model class with its own ``fit``,
+a subclass of that class made by multigpu).  Each such change goes through
 :meth:`Ledger.set`, which notes whether the object had an attribute of its own
 by that name and what it held; :meth:`Ledger.undo` puts everything back in
 reverse order, so that ``multigpu.unparallelize`` returns a plain Keras model.
@@ -28,6 +29,11 @@ class Ledger:
         self._entries.append((obj, name, own))
         object.__setattr__(obj, name, value)
 
+    def set_class(self, obj, cls: type) -> None:
+        """Gives ``obj`` the class ``cls`` (a subclass of its own, made by multigpu), noting the class it had."""
+        self._entries.append((obj, "__class__", type(obj)))
+        object.__setattr__(obj, "__class__", cls)
+
     def owns(self, obj, name: str) -> bool:
         """Whether this ledger set ``obj.name``."""
         return any(o is obj and n == name for o, n, _ in self._entries)
@@ -35,7 +41,9 @@ class Ledger:
     def undo(self) -> None:
         """Puts back every attribute in reverse order: the object's own value, or none (the class's again)."""
         for obj, name, own in reversed(self._entries):
-            if own is _ABSENT:
+            if name == "__class__":
+                object.__setattr__(obj, "__class__", own)
+            elif own is _ABSENT:
                 try:
                     object.__delattr__(obj, name)
                 except AttributeError:

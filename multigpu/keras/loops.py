@@ -21,7 +21,7 @@ from multigpu.data.host import Host
 from multigpu.data.sources import source_for
 from multigpu.keras.callbacks import EpochHooks, for_rank
 from multigpu.keras.data import ShardedData
-from multigpu.keras.own_loops import own_methods, routed
+from multigpu.keras.own_loops import own_methods
 
 __all__ = ["Loops"]
 
@@ -66,22 +66,18 @@ class Loops:
         self.own = own_methods(parallel.model)
 
     def methods(self) -> dict:
-        ours = {"fit": self.fit, "evaluate": self.evaluate, "predict": self.predict,
+        """What the model instance gets: multigpu's loops, except those its class defines (:meth:`handed_over`)."""
+        return {name: method for name, method in self._ours().items() if name not in self.own}
+
+    def handed_over(self) -> dict:
+        """multigpu's loops that the ``super()`` calls of the class's own methods reach
+        (:func:`~multigpu.keras.own_loops.hand_over`)."""
+        return {name: method for name, method in self._ours().items() if name in self.own}
+
+    def _ours(self) -> dict:
+        return {"fit": self.fit, "evaluate": self.evaluate, "predict": self.predict,
                 "train_on_batch": self.train_on_batch, "test_on_batch": self.test_on_batch,
                 "predict_on_batch": self.predict_on_batch}
-        return {name: self._after_own(name, method) if name in self.own else method for name, method in ours.items()}
-
-    def _after_own(self, name: str, ours):
-        """The class's own ``name``, whose ``super()`` call reaches ``ours``."""
-        own = self.own[name]
-
-        def method(*args, **kwargs):
-            with routed(self.parallel.model, name, ours):
-                return own(*args, **kwargs)
-
-        method.__name__ = name
-        method.__doc__ = ours.__doc__
-        return method
 
     @property
     def _writer(self) -> int:

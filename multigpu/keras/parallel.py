@@ -25,7 +25,7 @@ from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
 from multigpu.keras.loops import Loops
-from multigpu.keras.own_loops import base_methods
+from multigpu.keras.own_loops import as_class, base_methods, hand_over
 from multigpu.keras.saving import atomic_save, route_public_saving
 from multigpu.planning.shares import capped_split
 
@@ -153,6 +153,8 @@ class ParallelModel:
         }
         for name, method in methods.items():
             self.ledger.set(self.model, name, method)
+        self._class = type(self.model)
+        hand_over(self.model, self.loops.handed_over(), self.ledger)
         _MODELS[self.model] = self
         self._saving_route = route_public_saving(self.model, _is_parallel_model)
 
@@ -177,7 +179,9 @@ class ParallelModel:
             result = None
             membership.at("save", self.runtime.rank)
             try:
-                result = atomic_save(self.keras[method], filepath, self.runtime.rank - leader, overwrite, **kwargs)
+                with as_class(self.model, self._class):  # Keras writes the name of the model's own class
+                    result = atomic_save(self.keras[method], filepath, self.runtime.rank - leader, overwrite,
+                                         **kwargs)
             except Exception as exc:
                 error = exc
             failed = self.comm.sum_floats([1.0 if error is not None else 0.0],

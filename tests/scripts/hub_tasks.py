@@ -115,7 +115,14 @@ def main() -> int:
     model = prepare(causal_lm())
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(True),
                   weighted_metrics=["sparse_categorical_accuracy"], sampler="greedy")
-    history = model.fit(x, y, sample_weight=sw, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    routed = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+    keras_model = {n: vars(keras.Model).get(n) for n in routed}
+    seen = []  # during fit: is keras.Model still Keras's own?
+    watch = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: seen.append({n: vars(keras.Model).get(n) for n in routed} == keras_model))
+    history = model.fit(x, y, sample_weight=sw, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                        callbacks=[watch])
+    results["keras_model_unchanged"] = bool(seen) and all(seen)
     results["lm"] = np.concatenate([w.ravel() for w in model.get_weights()])
     results["lm_history"] = json.dumps(history.history)
     results["lm_evaluate"] = json.dumps(model.evaluate(x, y, sample_weight=sw, batch_size=BATCH, verbose=0,
@@ -124,6 +131,21 @@ def main() -> int:
     if rank == 0:
         prompt = {"token_ids": x["token_ids"][:4], "padding_mask": x["padding_mask"][:4] & (np.arange(SEQ) < 3)}
         results["lm_generate"] = model.generate(prompt, stop_token_ids=None)["token_ids"]
+    if not a.plain:  # Keras writes the task's own class; unparallelize gives the model its class back
+        import zipfile
+
+        import keras_hub
+
+        import multigpu
+
+        path = os.path.join(os.path.dirname(os.path.abspath(a.out)), "lm.keras")
+        model.save(path)
+        with zipfile.ZipFile(path) as z:
+            results["saved_as"] = json.dumps(json.loads(z.read("config.json"))["registered_name"])
+        results["class_while_parallel"] = json.dumps([type(model).__name__,
+                                                      isinstance(model, keras_hub.models.GPT2CausalLM)])
+        multigpu.unparallelize(model)
+        results["class_after"] = type(model) is keras_hub.models.GPT2CausalLM
     np.savez(a.out if rank == 0 else f"{a.out}.rank{rank}.npz", **results)
     return 0
 
