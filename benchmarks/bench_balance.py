@@ -35,7 +35,7 @@ batches, and ``benchmarks/outside_model.py``, a model nothing in multigpu was tu
 **slowdown** run: ``cpu:0`` and ``cpu:1`` at full speed with automatic shares, ``cpu:1`` dropped
 to half a core after step 30; it reports how many steps the 5-step throughput takes to come back
 to 0.9 of the best fixed ratio's throughput at half speed (the convnet case of the grid). Results:
-printed, and ``benchmarks/results/balance.json``.
+printed, and ``benchmarks/balance/balance.json``.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="timed seconds per configuration (about)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of auto, best and equal head to head")
     p.add_argument("--no-slowdown", action="store_true", help="skip the mid-run slowdown run")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "balance.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "balance" / "balance.json"))
     a = p.parse_args()
     start = time.monotonic()
 

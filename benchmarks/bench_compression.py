@@ -13,7 +13,7 @@
    shared memory and over gloo.  Reported: the relative error of all weights,
    ``|w - w_plain| / |w_plain|``, and the last epoch's loss.
 
-Results: printed tables, and ``benchmarks/results/compression.json``.
+Results: printed tables, and ``benchmarks/compression/compression.json``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--speed-steps", type=int, default=8, help="timed steps of dense41m per run")
     p.add_argument("--steps", type=int, default=100, help="training steps for the weight error")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compression.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "compression" / "compression.json"))
     a = p.parse_args()
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "benchmarks" / "_worker.py"
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "core"
 Result = dict[str, Any]
 
 
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the configurations round-robin this many times and keep each one's best")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON output (default benchmarks/results/core.json; quick: core-quick.json)")
+                   help="JSON output (default benchmarks/core/core.json; quick: core-quick.json)")
     a = p.parse_args(argv)
     a.batch = a.batch or (32 if a.quick else 256)
     a.steps = a.steps or (10 if a.quick else 20)

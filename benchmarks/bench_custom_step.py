@@ -7,7 +7,7 @@ Model: the built-in convnet (width 0.25) as it is (``builtin``) and in a subclas
 ``compute_metrics`` by hand (``custom``; ``benchmarks/custom_step_model.py``).  Devices ``cpu:0`` +
 ``cpu:1``, equal shares, global batch 256.  The two run in alternation (A B A B ...), each in fresh
 processes, so that a drift of the machine's speed falls on both; the ratio of the medians is reported.
-Results: printed, and ``benchmarks/results/custom_step.json``.
+Results: printed, and ``benchmarks/custom_step/custom_step.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "custom_step.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "custom_step" / "custom_step.json"))
     a = p.parse_args()
     start = time.monotonic()
     rates: dict[str, list[float]] = {"builtin": [], "custom": []}

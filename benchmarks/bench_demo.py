@@ -15,7 +15,7 @@ For each (width, global batch), one after another, each in fresh processes
 
 The speedup is the second over the first: the two devices' speed factors add up to 1.5, and
 what is missing from 1.5x went to the two cores sharing caches and memory bandwidth, to waiting
-and to per-step overhead.  Results: printed, and ``benchmarks/results/demo-sweep.json``.
+and to per-step overhead.  Results: printed, and ``benchmarks/demo/demo-sweep.json``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> int:
     p.add_argument("--widths", nargs="+", type=float, default=[1.0], help="filter widths (built-in models)")
     p.add_argument("--batches", nargs="+", type=int, default=[128, 256, 512])
     p.add_argument("--seconds", type=float, default=8.0, help="timed seconds per configuration (about)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "demo-sweep.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "demo" / "demo-sweep.json"))
     a = p.parse_args()
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)

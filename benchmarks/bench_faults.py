@@ -16,7 +16,7 @@ step ``--kill-at`` of epoch 2, once per run.  Three ways:
   rank 2's process is started again and rejoins; samples/s of its last epoch (all three devices again)
   against the same run's before the loss.
 
-Printed and written to ``benchmarks/results/faults.json``: the time from the death (the supervisor's
+Printed and written to ``benchmarks/faults/faults.json``: the time from the death (the supervisor's
 record of it, within 50 ms of it; under restart, the end of the last step before it) to the end of the
 first step after it; samples/s before the loss
 (epoch 2's steps before it) and after it (the steps of epoch 3), against the fresh run on the
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=15, help="the step of epoch 2 (from 1) rank 2 dies at")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "faults" / "faults.json"))
     a = p.parse_args()
     worker = ["--steps", str(a.steps), "--epochs", "3"]
     dying = [*worker, "--die-at", str(a.steps + a.kill_at)]

@@ -11,7 +11,7 @@ starts from a fresh profile: calibration at the first step, then the online sear
 times of that epoch printed beside it, so that a stall shows instead of being averaged away.
 
 Prints, for every auto run: auto over the best fixed ratio of the grid and over equal shares, and
-the largest step of the last epoch over its median.  Results: ``benchmarks/results/fresh-auto.json``.
+the largest step of the last epoch over its median.  Results: ``benchmarks/balance/fresh-auto.json``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--steps", type=int, default=16, help="steps per epoch")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fresh-auto.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "balance" / "fresh-auto.json"))
     a = p.parse_args()
     start = time.monotonic()
 

@@ -18,7 +18,7 @@ processes, in ``--rounds`` rounds (the median counts):
 The cases ``pyds-io-slow`` and ``tfdata-io-slow`` put the I/O-bound ``PyDataset`` (``tf.data``
 pipeline) on ``cpu:0`` and ``cpu:1@0.5`` (the
 second held to half a core; needs root) with equal (``mg2-equal``) and automatic (``mg2-auto``)
-shares.  Prints a table of ratios and writes ``benchmarks/results/input.json``.  Run it on an
+shares.  Prints a table of ratios and writes ``benchmarks/input/input.json``.  Run it on an
 otherwise idle machine.
 """
 
@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--gen-wait", type=float, default=80.0, help="ms the generator waits per batch")
     p.add_argument("--width", type=float, default=2.0,
                    help="scales the convnet's filter counts (2: 32 and 64 filters, about 800 samples/s on one core)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "input.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "input" / "input.json"))
     a = p.parse_args()
     results = {}
     for case in a.cases.split(","):

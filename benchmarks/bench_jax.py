@@ -27,7 +27,7 @@ step near 2 s), global batch ``--batch``:
   each, as on several hosts), each feeding its half of every global batch, on ``cpu:0`` + ``cpu:1``
   and on ``cpu:0`` + ``cpu:1@0.5``: Keras's own equal split on a really slower device.
 
-Prints the targets' ratios (medians over ``--rounds``) and writes ``benchmarks/results/jax.json``.
+Prints the targets' ratios (medians over ``--rounds``) and writes ``benchmarks/jax/jax.json``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--auto-warmup", type=int, default=30, help="untimed steps of the automatic-shares run")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "jax.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "jax" / "jax.json"))
     a = p.parse_args()
     names = a.configs.split(",")
     runs: dict[str, list[dict]] = {n: [] for n in names}

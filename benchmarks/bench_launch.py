@@ -17,7 +17,7 @@ batch 128, ``cpu:0`` and ``cpu:1``, equal shares) three ways, in ``--rounds`` ro
 
 Start-up is the time from the command (or the call) to the end of the first training step;
 samples/s is measured after ``--warmup`` steps.  Prints the medians and writes
-``benchmarks/results/launch.json``.
+``benchmarks/launch/launch.json``.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ways", default="run,launch,notebook", help="comma-separated, of run, launch, notebook, srun, "
                    "mpirun (run is the baseline and always runs)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launch.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "launch" / "launch.json"))
     a = p.parse_args()
     ways = ["run", *[w for w in a.ways.split(",") if w != "run"]]
     runs: dict[str, list[dict]] = {w: [] for w in ways}

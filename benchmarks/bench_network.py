@@ -25,7 +25,7 @@ delay).  The ranks join with torchrun's variables over gloo, rank ``r`` on core
 Models: ``dense21m`` (dense41m at width 0.57: 21.2M parameters, batch 256),
 ``convnet_head`` (the convnet's body at width 0.5 with a 4M-parameter dense head,
 batch 256), ``gru`` (batch 256).  Prints ratios against the DDP loop in one run
-and writes ``benchmarks/results/network.json``.  Without root it says why and
+and writes ``benchmarks/network/network.json``.  Without root it says why and
 exits with status 0 having run nothing.
 """
 
@@ -133,7 +133,7 @@ def main() -> int:
     p.add_argument("--backend", default="torch", choices=["torch", "jax"],
                    help="jax: multigpu's configurations only (exact, bf16, fp16, auto-slow); the report's `sum` "
                         "column is the all-reduce's share of the step")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "network.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "network" / "network.json"))
     a = p.parse_args()
     configs = a.configs.split(",")
     buckets = [c.removeprefix("exact-b").replace(".", "", 1) for c in configs if c.startswith("exact-b")]

@@ -26,7 +26,7 @@ On torch, ``single``, ``mg1`` and ``mg2`` carry phase timers (``multigpu.bench.b
 per step in the forward pass, the loss, ``backward``, summing gradients over ranks, the optimizer
 update, the metrics, the rest of the training step (multigpu's hooks and Keras's step code) and
 Keras's loop outside the step (data, callbacks).  Results: printed tables, and
-``benchmarks/results/overhead.json``.  Run it on an otherwise idle machine.
+``benchmarks/overhead/overhead.json``.  Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
     p.add_argument("--no-breakdown", action="store_true",
                    help="no phase timers (they cost single, mg1 and mg2 a little, and the baselines nothing)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "overhead" / "overhead.json"))
     a = p.parse_args()
     tensorflow = os.environ.get("KERAS_BACKEND") == "tensorflow"
     configs = (a.configs or ",".join(TENSORFLOW_CONFIGS if tensorflow else DEFAULT_CONFIGS)).split(",")

@@ -6,7 +6,7 @@ Trains a small convnet for ``--epochs`` epochs on two CPU devices (fit is
 called once per epoch, as scripts that loop over epochs do, plus evaluate and
 predict each time) and records each rank's resident set size after every
 epoch.  Target: each rank's memory grows by less than 5% after the first
-epoch.  Writes ``benchmarks/results/soak.json``.
+epoch.  Writes ``benchmarks/soak/soak.json``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> int:
     worst = max(x["growth_after_first_epoch"] for x in result["ranks"])
     print(f"largest growth after the first epoch: {worst:.2%} (target < 5%): {'ok' if worst < 0.05 else 'MISSED'}")
     name = "soak-quick.json" if a.quick else "soak.json"
-    out = ROOT / "benchmarks" / "results" / name
+    out = ROOT / "benchmarks" / "soak" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -16,7 +16,7 @@ printed for:
 Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_tf_engines.py \\
-        --out benchmarks/results/tf-engines.json
+        --out benchmarks/tensorflow/tf-engines.json
 
 Needs ``tensorflow-cpu`` and torch (``make test`` installs both).
 """
@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tf-engines.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "tensorflow" / "tf-engines.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)

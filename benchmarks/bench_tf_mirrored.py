@@ -14,7 +14,7 @@ SGD) with Keras ``fit`` on the TensorFlow backend:
 and prints samples/s and their ratio, or that the run hung or failed (then
 that is what the user gets).  Usage::
 
-    .venv/bin/python benchmarks/bench_tf_mirrored.py --out benchmarks/results/tf-mirrored.json
+    .venv/bin/python benchmarks/bench_tf_mirrored.py --out benchmarks/tensorflow/tf-mirrored.json
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--width", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tf-mirrored.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "tensorflow" / "tf-mirrored.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

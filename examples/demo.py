@@ -40,7 +40,7 @@ def cuda_device_count() -> int:
 
 
 ALONE_STEPS = 12  # timed steps of the one-device run (after 3 untimed ones)
-# On a CPU: chosen by benchmarks/bench_demo.py (see benchmarks/RESULTS.md) so that two devices pay.
+# On a CPU: chosen by benchmarks/bench_demo.py (see benchmarks/demo/README.md) so that two devices pay.
 DEFAULTS = {"cpu_width": 1.0, "batch": 512, "rows": 60000, "epochs": 4}
 
 

@@ -81,7 +81,7 @@ def _as_tensorflow_would(dataset):
     cores, multigpu on two devices against a DDP loop of ranks reading their
     own shards: I/O-bound pipeline 0.71x pinned, 1.03x with the pool on every
     core; CPU-bound (TensorFlow's image ops) 0.75x and 0.97x (0.94x in a later three-round run)
-    (``benchmarks/RESULTS.md``, "tf.data pipelines").
+    (``benchmarks/input/README.md``).
     """
     import os
 

@@ -11,7 +11,7 @@ Why torch.distributed sums TensorFlow's gradients: TensorFlow's own
 cross-process collectives (``MultiWorkerMirroredStrategy``'s ring over gRPC)
 took 8.1 ms for an all-reduce of 1M floats between two processes on two
 cores of one x86-64 machine, gloo 4.0 ms, and the shared-memory transport
-0.57 ms (``benchmarks/bench_tf_engines.py``, ``benchmarks/RESULTS.md``); one
+0.57 ms (``benchmarks/bench_tf_engines.py``, ``benchmarks/tensorflow/README.md``); one
 of the ring's rounds also failed to start.  So the TensorFlow backend uses
 the torch backend's collectives: shared memory between CPU ranks of one
 machine, gloo elsewhere (TensorFlow's GPU tensors are summed on the host).

@@ -15,7 +15,7 @@ The per-step sum has two transports:
   read the result.  Measured between two processes on two cores, gloo takes
   about 2 ms for any all-reduce, however small (each message crosses several
   threads), and 4.8 ms for 670,000 floats; shared memory takes 0.1 ms and
-  about 1.5 ms (benchmarks/RESULTS.md).  Ranks that call it with different
+  about 1.5 ms.  Ranks that call it with different
   sizes or layouts get a clear error instead of gloo's abort.
 """
 

@@ -420,7 +420,7 @@ def _overlap(comm, forced: bool | None = None) -> bool:
     the cycles of the cores that compute the backward pass, so overlap costs
     more than it hides (dense41m at batch 256 over gloo on two cores: 390
     samples/s with it, 475 without, 555 over shared memory;
-    benchmarks/RESULTS.md, "Slow links between hosts").
+    benchmarks/network/README.md).
     """
     if forced is not None:
         return forced and comm.world_size > 1
