@@ -128,9 +128,11 @@ def parallelize(
         min_devices: go on without a device that is lost (its process
             killed, crashed, or silent for 5 s) while at least this many are
             left: the others take its rows, from the step it was lost in,
-            and the result stays exact.  ``None`` (default): a lost device
-            ends the run.  On torch under ``python train.py``,
-            ``multigpu run`` and ``multigpu.launch``, for arrays and tensors
+            and the result stays exact; under ``multigpu run --max-restarts
+            K`` its process is started again and rejoins at a step of
+            ``fit``.  ``None`` (default): a lost device ends the run.  On
+            torch under ``python train.py``, ``multigpu run`` and
+            ``multigpu.launch``, for arrays and tensors
             (``MULTIGPU_MIN_DEVICES`` when unset).
         sync_batchnorm: compute BatchNormalization's batch statistics over
             the whole global batch, so a BatchNorm model reproduces the

@@ -6,7 +6,9 @@ The command is the run's supervisor (:mod:`multigpu.runtime.supervisor`): it
 hosts the rendezvous on 127.0.0.1 and a free port, starts one process per
 device, and waits.  If a rank fails, the others are stopped, and with
 ``--max-restarts K`` all ranks start again (the script resumes from its own
-``BackupAndRestore`` state).  The exit code is the script's.
+``BackupAndRestore`` state); in a run that may go on without a lost device
+(``--min-devices N``), a lost rank's process starts again instead and
+rejoins the others at a step of ``fit``.  The exit code is the script's.
 
 Under an outside launcher (``srun -n 2 multigpu run train.py``, ``mpirun``,
 torchrun) the process already is one rank of a run: it becomes that rank
@@ -35,7 +37,9 @@ def add_parser(sub) -> None:
                    help="comma-separated ratios, e.g. 3,1, 'auto', or a profile .json (default: the script's choice)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait, for a script that passes no timeout (default: 60)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart all ranks up to K times after a failure")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all ranks up to K times after a failure; with --min-devices, start a lost rank "
+                        "again instead (it rejoins at a step of fit)")
     p.add_argument("--min-devices", type=int, default=None,
                    help="go on without a lost device while this many are left, for a script that passes no "
                         "min_devices (torch; default: a lost device ends the run)")
