@@ -52,8 +52,9 @@ test: $(TEST_STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/test_examples.py \
 		-m "not outside"
 
-# Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI sweep, and the
-# second backend or ratio of a few paths (tests/conftest.py's OUTSIDE says which and why).
+# Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI's bench with its
+# DDP baselines and its sweep, and the second backend, ratio or mode of a few paths (tests/conftest.py's OUTSIDE
+# says which and why).
 test-outside: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/test_examples.py -m outside
 

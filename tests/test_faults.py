@@ -23,6 +23,7 @@ from tests.conftest import SCRIPTS
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 THREE = ["--devices", "cpu:0,cpu:1,cpu:2", "--ratios", "1,2,5"]
+TWO = ["--devices", "cpu:0,cpu:1", "--ratios", "1,3"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,34 @@ def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, tr
     assert runner.leftovers() == []
     assert _shm() <= before
     assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
+
+
+@pytest.mark.parametrize(("source", "faults", "lost"), [
+    ("pydataset", "0:forward:4", [0]),  # rank 0 read a turn of the batches: rank 1 reads it on
+    ("generator", "1:input:5", [1]),  # not the generator's reader: rank 0 reads on, the batch is cut again
+])
+def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, one_device, source, faults, lost):
+    """The same batches from a PyDataset with two workers (each rank reads a turn of them) or a generator (rank 0
+    reads it): the ranks left stop waiting for the lost one, cut the batch again from its file, and take over
+    its turn of reading; the result is one device's."""
+    before = _shm()
+    out = runner.tmp_path / "run.npz"
+    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *TWO, "--min-devices", "1",
+                      "--input", source], timeout=200, extra_env={"MULTIGPU_FAULT": faults})
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert _compare(out, one_device) == lost
+    assert runner.leftovers() == []
+    assert _shm() <= before  # the batch files of the input included
+
+
+def test_losing_the_reader_of_a_generator_ends_the_run_saying_why(runner):
+    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(runner.tmp_path / "run.npz"), *TWO,
+                      "--min-devices", "1", "--input", "generator"], timeout=200,
+                     extra_env={"MULTIGPU_FAULT": "0:forward:3"})
+    assert res.returncode != 0
+    assert ("the rank that read this input for its machine (rank 0) was lost: a generator, iterator or tf.data "
+            "stream cannot be read on from where it was by another rank") in res.stdout
+    assert runner.leftovers() == []
 
 
 def test_a_lost_rank_started_again_rejoins_and_the_result_stays_exact(runner, one_device):

@@ -36,6 +36,8 @@ import numpy as np
 
 __all__ = ["InputError", "Pass", "StoppedError", "directory", "remove_run_files"]
 
+_CLOSED = np.iinfo(np.int64).max // 2  # a consumer's count once it is done with the pass (or lost)
+
 _BATCH, _END, _ERROR = 0, 1, 2
 _HEAD = struct.Struct("<4sqqq")  # magic, kind, length of the pickled part, number of out-of-band buffers
 _MAGIC = b"mgin"
@@ -98,9 +100,11 @@ class Pass:
         local_rank: this rank's index on the machine.
         local_size: ranks on the machine.
         depth: how many global batches readers may publish ahead of the slowest consumer.
+        lost: local ranks lost earlier in the run: they consume nothing, and the lowest rank left creates the
+            control file.
     """
 
-    def __init__(self, prefix: str, local_rank: int, local_size: int, depth: int) -> None:
+    def __init__(self, prefix: str, local_rank: int, local_size: int, depth: int, lost=()) -> None:
         self.prefix = prefix
         self.local_rank, self.local_size = local_rank, local_size
         self.depth = max(1, int(depth))
@@ -108,8 +112,11 @@ class Pass:
         self._published: deque[int] = deque()
         self._lock = threading.Lock()  # the consumer and a reader thread of one rank both open the control file
         self.closed = False
-        if local_rank == 0:
-            self._write(f"{prefix}-ctl", [bytes(8 * local_size)])
+        lost = {r for r in lost if 0 <= r < local_size}
+        if local_rank == min(set(range(local_size)) - lost):
+            counts = np.zeros(local_size, dtype=np.int64)
+            counts[sorted(lost)] = _CLOSED
+            self._write(f"{prefix}-ctl", [counts.tobytes()])
 
     # ------------------------------------------------------------ files
     @staticmethod
@@ -258,15 +265,33 @@ class Pass:
         """This rank is done with the first ``count`` batches."""
         self.control()[self.local_rank] = count
 
+    def release(self, local_ranks) -> None:
+        """Lost ranks of this machine consume nothing more: readers no longer wait for them, and the pass's
+        files go once the ranks left are past them (their word has no writer left but this)."""
+        control = self.control()
+        for local in local_ranks:
+            if 0 <= local < self.local_size:
+                control[local] = _CLOSED
+
+    def missing(self, first: int, step: int) -> int:
+        """The first batch ``first + k * step`` not yet published that a rank left still needs (the batches of a
+        lost reader's turn that another rank must read)."""
+        control = self.control()
+        needed = min(int(v) for v in control if int(v) < _CLOSED) if int(control.min()) < _CLOSED else 0
+        index = first
+        while index < needed or os.path.exists(self._path(index)):
+            index += step
+        return index
+
     def close(self) -> None:
         """This rank is done with the pass; the last rank to close removes what is left."""
         if self.closed:
             return
         self.closed = True
         control = self.control()
-        control[self.local_rank] = np.iinfo(np.int64).max // 2
+        control[self.local_rank] = _CLOSED
         self._forget_consumed(int(control.min()))
-        if int(control.min()) >= np.iinfo(np.int64).max // 2:
+        if int(control.min()) >= _CLOSED:
             for path in glob.glob(f"{self.prefix}-*"):
                 try:
                     os.unlink(path)

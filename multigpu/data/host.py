@@ -60,7 +60,7 @@ class Host:
         """A new name for one input's passes (every rank creates its inputs in the same order)."""
         return str(next(_STREAMS.setdefault((self.run, self.seed, self.rank), itertools.count())))
 
-    def open_pass(self, stream: str, number: int, depth: int) -> Pass:
-        """Pass ``number`` of input ``stream``."""
+    def open_pass(self, stream: str, number: int, depth: int, lost=()) -> Pass:
+        """Pass ``number`` of input ``stream`` (``lost``: the machine's local ranks lost earlier in the run)."""
         prefix = os.path.join(directory(), f"multigpu-in-{self.run}-{self.seed:x}-h{self.leader}-s{stream}-p{number}")
-        return Pass(prefix, self.local_rank, self.local_size, depth)
+        return Pass(prefix, self.local_rank, self.local_size, depth, lost)

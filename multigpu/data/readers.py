@@ -16,13 +16,21 @@ ones):
 
 A failure while reading reaches every rank of the machine at that batch,
 naming the rank that read it and the original error.
+
+When a rank of the machine is lost (:func:`lose`), the ranks left stop
+waiting for it, cut the batch being stepped on again from its file (each
+plan's ``again``), and a ``PyDataset``'s lost turn of reading is taken over
+by the lowest rank left; a stream's reader cannot be replaced (the stream's
+state died with it), so losing it ends the run, saying so.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import keras
@@ -36,7 +44,19 @@ from multigpu.data.forms import batch_rows, standardize
 from multigpu.data.host import Host
 from multigpu.planning.plan import StepPlan
 
-__all__ = ["PyDatasetSource", "StreamSource", "cut_rows"]
+__all__ = ["PyDatasetSource", "StreamSource", "cut_rows", "lose"]
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the sources with a pass open in this process
+
+
+def lose(ranks) -> None:
+    """Ranks were lost: every open source of this process stops waiting for those of its machine and takes over
+    their part of the reading (see the module docstring)."""
+    for source in list(_OPEN):
+        host = source.host
+        local = [r - host.leader for r in ranks if 0 <= r - host.leader < host.local_size]
+        if local:
+            source.lose(local)
 
 
 def cut_rows(batch, rows: int, begin: int, end: int):
@@ -96,9 +116,18 @@ def _take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan], marks: li
     rows = batch_rows(batch)
     if marks is not None:
         marks.append(fingerprint(batch, rows))
-    plan = plan_of(rows)
+    plan = plan_of(rows, again=functools.partial(_again, pass_, index))
     begin, end = plan.rows(plan.rank)
     return cut_rows(batch, rows, begin, end)
+
+
+def _again(pass_: Pass, index: int, plan: StepPlan):
+    """This rank's rows of batch ``index`` by another ``plan`` (after a loss; the file stays until every rank
+    left is past it)."""
+    _, batch = pass_.fetch(index)
+    batch = standardize(batch)
+    begin, end = plan.rows(plan.rank)
+    return cut_rows(batch, batch_rows(batch), begin, end)
 
 
 def fingerprint(batch, rows: int) -> int:
@@ -162,6 +191,8 @@ class PyDatasetSource:
         self.order: np.ndarray | None = None
         self.passes = 0
         self.depth = max(2 * host.local_size, int(dataset.max_queue_size), 4)
+        self._live: tuple[Pass, list[_Reader]] | None = None  # the open pass and its readers on this rank
+        self._lost: set[int] = set()  # local ranks lost: their turns are read by the lowest rank left
 
     @property
     def num_batches(self):
@@ -198,10 +229,13 @@ class PyDatasetSource:
 
     def batches(self, plan_of: Callable[[int], StepPlan]) -> Iterator:
         host, n = self.host, self.dataset.num_batches
-        pass_ = host.open_pass(self.stream, self.passes, self.depth)
+        pass_ = host.open_pass(self.stream, self.passes, self.depth, self._lost)
         self.passes += 1
-        stripe = _Stripe(self.dataset, self.order, host.local_rank, host.local_size)
-        reader = _Reader(f"multigpu-read-{self.stream}", host, pass_, self._read(stripe))
+        readers: list[_Reader] = []
+        self._live = (pass_, readers)
+        _OPEN.add(self)
+        for turn in [host.local_rank, *sorted(self._lost)] if self._reads_for_lost() else [host.local_rank]:
+            self._start_turn(turn, turn)
         try:
             i = 0
             while n is None or i < n:
@@ -212,8 +246,35 @@ class PyDatasetSource:
                 i += 1
                 pass_.consumed(i)
         finally:
-            reader.close()
+            self._live = None
+            _OPEN.discard(self)
+            for reader in readers:
+                reader.close()
             pass_.close()
+
+    def _reads_for_lost(self) -> bool:
+        """Whether this rank reads the turns of the machine's lost ranks (the lowest rank left does)."""
+        left = [r for r in range(self.host.local_size) if r not in self._lost]
+        return bool(left) and self.host.local_rank == left[0]
+
+    def _start_turn(self, turn: int, first: int) -> None:
+        """Reads turn ``turn``'s global batches (``turn``, ``turn + L``, ...) from batch ``first`` on."""
+        pass_, readers = self._live
+        stripe = _Stripe(self.dataset, self.order, first, self.host.local_size)
+        readers.append(_Reader(f"multigpu-read-{self.stream}-{turn}", self.host, pass_, self._read(stripe)))
+
+    def lose(self, local_ranks) -> None:
+        """Lost ranks of this machine: the pass no longer waits for them, and the lowest rank left reads
+        their turns from the first batch not yet published."""
+        new = [r for r in local_ranks if r not in self._lost]
+        self._lost.update(new)
+        if self._live is None or not new:
+            return
+        pass_, _ = self._live
+        pass_.release(new)
+        if self._reads_for_lost():
+            for turn in new:
+                self._start_turn(turn, pass_.missing(turn, self.host.local_size))
 
     def on_epoch_begin(self) -> None:
         if hasattr(self.dataset, "on_epoch_begin"):
@@ -256,8 +317,10 @@ class StreamSource:
         self.passes = 0
         self._pass: Pass | None = None
         self._reader: _Reader | None = None
+        self._live: Pass | None = None  # the pass open now
         self._position = 0  # of a one-shot stream: the next batch not yet trained on
         self._said_apart = False
+        self._lost: set[int] = set()
 
     @property
     def num_batches(self):
@@ -287,11 +350,24 @@ class StreamSource:
         reader.pass_.publish_end(i)
 
     def _open(self) -> Pass:
-        pass_ = self.host.open_pass(self.stream, self.passes, self.depth)
+        pass_ = self.host.open_pass(self.stream, self.passes, self.depth, self._lost)
         self.passes += 1
         if self.host.local_rank == 0:
             self._reader = _Reader(f"multigpu-read-{self.stream}", self.host, pass_, self._read)
+        self._live = pass_
+        _OPEN.add(self)
         return pass_
+
+    def lose(self, local_ranks) -> None:
+        """Lost ranks of this machine: the pass no longer waits for them.  The reader (local rank 0) cannot be
+        replaced: the stream's state died with it."""
+        if 0 in local_ranks:
+            failure.fail(f"the rank that read this input for its machine (rank {self.host.leader}) was lost: a "
+                         "generator, iterator or tf.data stream cannot be read on from where it was by another "
+                         "rank. Going on after losing it needs arrays, tensors or a keras.utils.PyDataset.")
+        self._lost.update(local_ranks)
+        if self._live is not None:
+            self._live.release(local_ranks)
 
     def batches(self, plan_of: Callable[[int], StepPlan]) -> Iterator:
         if self.one_shot:
@@ -343,6 +419,9 @@ class StreamSource:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._live is pass_:
+            self._live = None
+            _OPEN.discard(self)
         pass_.close()
 
     def close(self) -> None:

@@ -121,9 +121,10 @@ class Loops:
         until the others take it in, then starts at their epoch and step.
         """
         p = self.parallel
-        back = self._come_back(x, steps_per_epoch)
+        rejoinable = input_kind(x) == "arrays" and steps_per_epoch is None
+        back = self._come_back(x, rejoinable)
         seed = back["seed"] if back else p.comm.shared_seed()
-        p.position["seed"] = seed
+        p.position.update(seed=seed, rejoinable=rejoinable)
         if input_kind(x) == "arrays":
             num_rows(x, y, sample_weight)  # inputs and targets of one length, checked on every rank
             sample_weight = _with_class_weight(y, sample_weight, class_weight, "fit")
@@ -170,18 +171,20 @@ class Loops:
         self._ended("fit")
         return history
 
-    def _come_back(self, x, steps_per_epoch) -> dict | None:
+    def _come_back(self, x, rejoinable: bool) -> dict | None:
         """On a lost rank started again: waits until the others take it in, and returns what they sent (the
         position of their ``fit``: ``seed``, ``epoch``, ``step``; the shares ``ratios``; the ranks still ``out``)."""
         comm = self.parallel.comm
         if not getattr(comm, "joining", False):
             return None
-        if input_kind(x) != "arrays" or steps_per_epoch is not None:
-            from multigpu import failure
+        if not rejoinable:  # the others go on without it
+            import sys
 
-            failure.fail("a lost rank comes back in fit() on arrays or tensors held in memory, over whole epochs "
-                         "(no steps_per_epoch), whose batches it can start at the others' step; received x of "
-                         f"type {type(x).__name__}, steps_per_epoch={steps_per_epoch!r}")
+            print(f"multigpu: rank {self.rank} cannot rejoin this fit(): a lost rank comes back in a fit() on "
+                  "arrays or tensors held in memory over whole epochs (no steps_per_epoch), whose batches it can "
+                  f"start at the others' step; this one reads x of type {type(x).__name__}. It leaves the run.",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(0)
         return comm.rejoin()
 
     def _ended(self, what: str) -> None:

@@ -24,6 +24,7 @@ from multigpu._keras.ledger import Ledger
 from multigpu.balancing.balancer import LoadBalancer
 from multigpu.balancing.profiles import model_signature
 from multigpu.balancing.timing import StepTiming
+from multigpu.data import readers as input_readers
 from multigpu.keras.loops import Loops
 from multigpu.keras.own_loops import as_class, base_methods, hand_over
 from multigpu.keras.saving import atomic_save, route_public_saving
@@ -135,7 +136,9 @@ class ParallelModel:
         again); ranks that came back get theirs when they are welcomed (:meth:`TorchSteps._welcome`)."""
         self.lost = [dict(e) for e in members.lost]
         self.joined = [dict(e) for e in members.joined]
-        self.balancer.drop([r for r in range(self.runtime.world_size) if r not in members.members])
+        out = [r for r in range(self.runtime.world_size) if r not in members.members]
+        self.balancer.drop(out)
+        input_readers.lose(out)  # inputs read once per machine: the lost ranks' part of the reading
 
     def signature(self) -> str:
         """The model's profile signature."""

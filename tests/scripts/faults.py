@@ -3,6 +3,7 @@ History and the run's lost devices to an .npz file (from the rank that writes).
 
     python faults.py OUT.npz --devices cpu:0,cpu:1,cpu:2 --ratios 1,2,5 --min-devices 1
     python faults.py OUT.npz --plain        # one device, no multigpu
+    python faults.py OUT.npz ... --input pydataset   # the same batches from a PyDataset (or a generator)
 
 ``MULTIGPU_FAULT`` (see multigpu.membership) chooses which ranks die where.
 """
@@ -39,6 +40,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (time for a restart)")
+    p.add_argument("--input", choices=("arrays", "pydataset", "generator"), default="arrays",
+                   help="how the training data comes: arrays, a PyDataset with two workers, or a generator")
     a = p.parse_args()
     model = build()
     if not a.plain:
@@ -58,8 +61,26 @@ def main() -> None:
         import time
 
         callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: time.sleep(a.step_sleep)))
-    hist = model.fit(x, y, batch_size=48, epochs=a.epochs, shuffle=False, verbose=0, validation_data=(vx, vy),
-                     callbacks=callbacks)
+    kwargs = {"batch_size": 48}
+    if a.input == "pydataset":
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return len(rows) // 48
+
+            def __getitem__(self, i):
+                return rows[i * 48 : (i + 1) * 48], labels[i * 48 : (i + 1) * 48]
+
+        rows, labels = x, y
+        x, y, kwargs = Batches(workers=2), None, {}
+    elif a.input == "generator":
+        def batches(rows, labels):
+            while True:
+                for i in range(0, len(rows), 48):
+                    yield rows[i : i + 48], labels[i : i + 48]
+
+        x, y, kwargs = batches(x, y), None, {"steps_per_epoch": len(x) // 48}
+    hist = model.fit(x, y, epochs=a.epochs, shuffle=False, verbose=0, validation_data=(vx, vy),
+                     callbacks=callbacks, **kwargs)
     lost, joined, rank = [], [], 0
     if not a.plain:
         state = multigpu.state(model)

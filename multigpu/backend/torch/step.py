@@ -155,8 +155,9 @@ class TorchSteps(StepsCore):
                          "lost rank's sum reached some of them only. Going on needs one state: the run ends.")
         again = self.balancer.planner.again(for_step)
         if again is None:
-            failure.fail(f"{lost}, but this input was read once per machine and cannot be cut again: going on "
-                         "after a lost device needs arrays or tensors held in memory.")
+            failure.fail(f"{lost}, but this input cannot cut the batch again (a DataLoader over a map-style dataset "
+                         "loads each rank's rows itself): going on after a lost device needs arrays, tensors, a "
+                         "keras.utils.PyDataset, a generator, a tf.data or grain dataset.")
         plan, data = again
         if self.comm.rank == self.comm.leader:
             entry = lost.members.lost[-1]
@@ -170,10 +171,11 @@ class TorchSteps(StepsCore):
         return data, plan
 
     def _word(self) -> list[float]:
-        """The sum's last word: 1 where ranks coming back wait to be taken in (and this batch can be cut again
-        for them), else 0; every rank reads the same sum, so all take them in at the same step."""
+        """The sum's last word: 1 where ranks coming back wait to be taken in (in a fit they can join, on a batch
+        that can be cut again for them), else 0; every rank reads the same sum, so all take them in at the same
+        step."""
         waiting = (self.comm.min_devices is not None and self.comm.join_waiting()
-                   and self.balancer.planner.can_cut_again)
+                   and self.parallel.position.get("rejoinable", False) and self.balancer.planner.can_cut_again)
         return [1.0 if waiting else 0.0]
 
     def _welcome(self):
