@@ -78,11 +78,13 @@ def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, tr
 @pytest.mark.parametrize(("source", "faults", "lost"), [
     ("pydataset", "0:forward:4", [0]),  # rank 0 read a turn of the batches: rank 1 reads it on
     ("generator", "1:input:5", [1]),  # not the generator's reader: rank 0 reads on, the batch is cut again
+    ("dataloader", "1:forward:4", [1]),  # batches drawn ahead with rows for rank 1 are cut again and loaded here
 ])
 def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, one_device, source, faults, lost):
-    """The same batches from a PyDataset with two workers (each rank reads a turn of them) or a generator (rank 0
-    reads it): the ranks left stop waiting for the lost one, cut the batch again from its file, and take over
-    its turn of reading; the result is one device's."""
+    """The same batches from a PyDataset with two workers (each rank reads a turn of them), a generator (rank 0
+    reads it) or a DataLoader over a map-style dataset with two workers (each rank loads its rows, a few batches
+    ahead): the ranks left stop waiting for the lost one, cut the batch again (from its file, or loading its
+    items), and take over its turn of reading; the result is one device's."""
     before = _shm()
     out = runner.tmp_path / "run.npz"
     res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *TWO, "--min-devices", "1",

@@ -20,10 +20,16 @@ first item and drops it, so that the collated batch keeps its structure.
 Every rank must draw the same global batches: at the start of each pass the
 ranks compare a digest of them, and where they differ (an unseeded
 ``shuffle=True``) every rank takes rank 0's.
+
+After a lost rank, a training batch planned with a share for it (the one
+being stepped on, and those drawn ahead) is cut again by the shares of the
+ranks left: this rank's new rows are loaded in its own process, collated
+as the DataLoader does.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import pickle
@@ -65,11 +71,15 @@ class ShareBatchSampler:
         batches: the user's batch sampler (global batches of indices).
         agree: ``agree(flat, lengths)`` returns the global batches every rank
             uses (rank 0's where the ranks drew different ones).
+        load: ``load(indices)`` loads and collates items in this process
+            (a batch cut again by another plan after a lost rank).
     """
 
-    def __init__(self, batches, agree: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, batches, agree: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+                 load: Callable[[list], object] | None = None) -> None:
         self.batches = batches
         self.agree = agree
+        self.load = load
         self.plan_of: Callable[[int], StepPlan] | None = None
         self.plans: deque[StepPlan] = deque()  # plans of the batches drawn, in order, for the loader's output
 
@@ -91,10 +101,18 @@ class ShareBatchSampler:
         for length in lengths.tolist():
             indices = flat[start : start + length]
             start += length
-            plan = self.plan_of(length)  # type: ignore[misc]
+            again = None if self.load is None else functools.partial(self._again, indices)
+            plan = self.plan_of(length, again=again)  # type: ignore[misc]
             self.plans.append(plan)
             begin, end = plan.rows(plan.rank)
             yield (indices[begin:end] if end > begin else indices[:1]).tolist()
+
+
+    def _again(self, indices: np.ndarray, plan: StepPlan):
+        """This rank's rows of a global batch by another ``plan``, loaded here (after a lost rank)."""
+        begin, end = plan.rows(plan.rank)
+        batch = standardize(self.load((indices[begin:end] if end > begin else indices[:1]).tolist()))
+        return batch if end > begin else _no_rows(batch)
 
 
 def _no_rows(batch):
@@ -137,7 +155,7 @@ class LoaderSource:
         import torch.utils.data as tud
 
         self.loader = loader
-        self.sampler = ShareBatchSampler(loader.batch_sampler, _agree_with(comm, rank))
+        self.sampler = ShareBatchSampler(loader.batch_sampler, _agree_with(comm, rank), self._load)
         params = inspect.signature(tud.DataLoader.__init__).parameters
         kept = {k: getattr(loader, k) for k in _KEPT if k in params and hasattr(loader, k)}
         if not kept.get("num_workers"):
@@ -146,9 +164,15 @@ class LoaderSource:
         self.local = tud.DataLoader(loader.dataset, batch_sampler=self.sampler, **kept)
         self.batch_size = loader.batch_size
 
+    plans_ahead = True  # batches are planned when their indices are drawn, a few steps ahead of the step
+
     @property
     def num_batches(self) -> int:
         return len(self.sampler)
+
+    def _load(self, indices: list):
+        """Items ``indices`` of the dataset, collated as the DataLoader does, loaded in this process."""
+        return self.local.collate_fn([self.loader.dataset[i] for i in indices])
 
     def set_epoch(self, epoch: int) -> None:
         pass  # the user's sampler draws each pass's order itself, as on one device

@@ -83,6 +83,8 @@ class ShardedData(_Base):  # type: ignore[misc,valid-type]
         plans: list[StepPlan] = []
 
         def plan_of(total: int, again=None) -> StepPlan:
+            if not self.training and getattr(self.source, "plans_ahead", False):
+                again = None  # a batch planned ahead is not the one being evaluated: it cannot be cut again
             if again is not None and convert:
                 again = lambda plan, cut=again: _to_backend(cut(plan))  # noqa: E731
             plan = self.planner.plan(total, for_step=self.training, again=again)

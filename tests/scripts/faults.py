@@ -40,8 +40,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (time for a restart)")
-    p.add_argument("--input", choices=("arrays", "pydataset", "generator"), default="arrays",
-                   help="how the training data comes: arrays, a PyDataset with two workers, or a generator")
+    p.add_argument("--input", choices=("arrays", "pydataset", "generator", "dataloader"), default="arrays",
+                   help="how the training data comes: arrays, a PyDataset with two workers, a generator, or a "
+                        "torch DataLoader with two workers")
     a = p.parse_args()
     model = build()
     if not a.plain:
@@ -79,6 +80,11 @@ def main() -> None:
                     yield rows[i : i + 48], labels[i : i + 48]
 
         x, y, kwargs = batches(x, y), None, {"steps_per_epoch": len(x) // 48}
+    elif a.input == "dataloader":
+        import torch
+
+        items = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        x, y, kwargs = torch.utils.data.DataLoader(items, batch_size=48, num_workers=2), None, {}
     hist = model.fit(x, y, epochs=a.epochs, shuffle=False, verbose=0, validation_data=(vx, vy),
                      callbacks=callbacks, **kwargs)
     lost, joined, rank = [], [], 0

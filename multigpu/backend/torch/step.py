@@ -119,6 +119,9 @@ class TorchSteps(StepsCore):
         self._initialize()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
+        if self.balancer.lost and any(plan.sizes[r] for r in self.balancer.lost):
+            data, plan = self._cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._welcome_due:
             plan, data = self._welcome()
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -168,6 +171,15 @@ class TorchSteps(StepsCore):
                   f"{plan.total}; "
                   f"{time.time() - entry['at']:.1f} s after the loss ({time.perf_counter() - began:.2f} s to "
                   "agree).", flush=True)
+        return data, plan
+
+    def _cut_again(self, plan):
+        """``(this rank's rows, plan)`` of the batch being stepped on, planned again by the shares now."""
+        again = self.balancer.planner.again(True)
+        if again is None:
+            failure.fail(f"a batch planned with rows for a lost rank ({list(plan.sizes)}) cannot be cut again: "
+                         "going on after a lost device needs an input that can cut a batch again.")
+        plan, data = again
         return data, plan
 
     def _word(self) -> list[float]:
