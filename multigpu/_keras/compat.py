@@ -124,8 +124,7 @@ def _probes(owner: str) -> list:
     if owner in ("compiled Model", "CompileMetrics"):
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-        x = np.zeros((2, 2), "float32")
-        model._symbolic_build(data_batch=(x, np.zeros((2, 1), "float32")))
+        symbolic_build(model, (np.zeros((2, 2), "float32"), np.zeros((2, 1), "float32")))
         return [model] if owner == "compiled Model" else [m for m in model.metrics if type(m).__name__ == owner]
     if owner == "Optimizer":
         optimizer = keras.optimizers.SGD()

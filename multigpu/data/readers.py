@@ -364,7 +364,8 @@ class StreamSource:
         if 0 in local_ranks:
             failure.fail(f"the rank that read this input for its machine (rank {self.host.leader}) was lost: a "
                          "generator, iterator or tf.data stream cannot be read on from where it was by another "
-                         "rank. Going on after losing it needs arrays, tensors or a keras.utils.PyDataset.")
+                         "rank. Going on after losing it needs arrays, tensors, a keras.utils.PyDataset or a "
+                         "DataLoader over a map-style dataset.")
         self._lost.update(local_ranks)
         if self._live is not None:
             self._live.release(local_ranks)

@@ -158,8 +158,9 @@ class TorchSteps(StepsCore):
                          "lost rank's sum reached some of them only. Going on needs one state: the run ends.")
         again = self.balancer.planner.again(for_step)
         if again is None:
-            failure.fail(f"{lost}, but this input cannot cut the batch again (a DataLoader over a map-style dataset "
-                         "loads each rank's rows itself): going on after a lost device needs arrays, tensors, a "
+            failure.fail(f"{lost}, but this batch cannot be cut again: a DataLoader over a map-style dataset draws "
+                         "its validation batches ahead of the step, so the one being evaluated is not known. Going "
+                         "on after a loss during validation needs validation data of arrays, tensors, a "
                          "keras.utils.PyDataset, a generator, a tf.data or grain dataset.")
         plan, data = again
         if self.comm.rank == self.comm.leader:
