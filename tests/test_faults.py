@@ -111,7 +111,7 @@ def test_a_lost_rank_started_again_rejoins_and_the_result_stays_exact(runner, on
     before = _shm()
     out = runner.tmp_path / "run.npz"
     res = runner.cli("run", *THREE, "--max-restarts", "1", "--min-devices", "2", str(SCRIPTS / "faults.py"),
-                     str(out), "--step-sleep", "0.4", timeout=200, extra_env={"MULTIGPU_FAULT": "0:forward:2"})
+                     str(out), "--step-sleep", "1.0", timeout=200, extra_env={"MULTIGPU_FAULT": "0:forward:2"})
     assert res.returncode == 0, res.stdout[-3000:]
     assert _compare(out, one_device) == [0]
     assert json.loads(str(np.load(out)["joined"]))[0]["rank"] == 0

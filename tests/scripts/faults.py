@@ -39,7 +39,8 @@ def main() -> None:
     p.add_argument("--min-devices", type=int, default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--plain", action="store_true")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step waits (time for a restart)")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds each step waits while a lost rank has not come back (time for its restart)")
     p.add_argument("--input", choices=("arrays", "pydataset", "generator", "dataloader"), default="arrays",
                    help="how the training data comes: arrays, a PyDataset with two workers, a generator, or a "
                         "torch DataLoader with two workers")
@@ -61,7 +62,12 @@ def main() -> None:
     if a.step_sleep:
         import time
 
-        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: time.sleep(a.step_sleep)))
+        def wait_for_return(batch, logs):
+            state = multigpu.state(model)
+            if len(state.lost) > len(state.joined):
+                time.sleep(a.step_sleep)
+
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=wait_for_return))
     kwargs = {"batch_size": 48}
     if a.input == "pydataset":
         class Batches(keras.utils.PyDataset):
