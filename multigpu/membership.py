@@ -33,6 +33,11 @@ the state, and plan that step's global batch over every device again.
 ``RANK:POINT[:N]`` entries separated by commas, the rank killed with
 ``SIGKILL`` (or stopped with ``SIGSTOP`` for ``POINT/stop``) at its ``N``-th
 time at ``POINT`` (default 1); the points are in :data:`POINTS`.
+``RANK:sum/drop[:N]`` kills nothing: rank ``RANK`` throws away the result
+of its ``N``-th sum as if its collective had failed, which is what a ring
+collective broken midway by a lost peer leaves (the sum reached some ranks
+and not others, so some applied the step and others did not); with a rank
+killed at the same step it makes the survivors disagree on the steps done.
 """
 
 from __future__ import annotations
@@ -48,8 +53,8 @@ from pathlib import Path
 from multigpu import env
 
 __all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLostError", "allow_shrink", "at", "await_change",
-           "await_welcome", "beat_age", "forget_rank", "is_ready", "latest", "open_welcome", "read", "say_ready",
-           "shrink_allowed", "start_heartbeat", "write"]
+           "await_welcome", "beat_age", "dropped", "forget_rank", "is_ready", "latest", "open_welcome", "read",
+           "say_ready", "shrink_allowed", "start_heartbeat", "write"]
 
 BEAT = 0.5  # seconds between a rank's heartbeats
 LOST_AFTER = 5.0  # seconds without a heartbeat after which a rank is lost
@@ -238,32 +243,48 @@ def await_welcome(run_dir: str, generation: int) -> None:
 
 
 # ------------------------------------------------------------------ fault injection
-_PLAN: dict[str, tuple[int, bool]] | None = None  # this rank's points -> (nth time, stop instead of kill)
+_PLAN: dict[str, tuple[int, str]] | None = None  # this rank's points -> (nth time, "kill", "stop" or "drop")
 _COUNTS: dict[str, int] = {}
+_MODES = {"stop": POINTS, "drop": ("sum",)}  # POINT/MODE: the points each mode applies to
 
 
-def _plan(rank: int) -> dict[str, tuple[int, bool]]:
+def _plan(rank: int) -> dict[str, tuple[int, str]]:
     global _PLAN
     if _PLAN is None:
         _PLAN = {}
         for entry in filter(None, (env.get(env.FAULT) or "").split(",")):
             parts = entry.strip().split(":")
-            point, stop = parts[1].removesuffix("/stop"), parts[1].endswith("/stop")
-            if len(parts) not in (2, 3) or point not in POINTS or not parts[0].isdigit():
+            point, _, mode = parts[1].partition("/") if len(parts) > 1 else ("", "", "")
+            if (len(parts) not in (2, 3) or point not in POINTS or not parts[0].isdigit()
+                    or (mode and point not in _MODES.get(mode, ())) or not (len(parts) == 2 or parts[2].isdigit())):
                 raise ValueError(f"{env.FAULT} takes RANK:POINT[:N] entries, POINT one of {', '.join(POINTS)} "
-                                 f"(with /stop to stop the rank instead of killing it). Received: {entry!r}")
+                                 "(with /stop to stop the rank instead of killing it, and sum/drop to throw away "
+                                 f"the result of a sum). Received: {entry!r}")
             if int(parts[0]) == rank:
-                _PLAN[point] = (int(parts[2]) if len(parts) == 3 else 1, stop)
+                _PLAN[parts[1]] = (int(parts[2]) if len(parts) == 3 else 1, mode or "kill")
     return _PLAN
+
+
+def _due(key: str, rank: int) -> tuple[int, str] | None:
+    """The plan's entry for ``key`` when this is its ``N``-th time (counted per key), else None."""
+    if _PLAN == {}:
+        return None
+    planned = _plan(rank).get(key)
+    if planned is None:
+        return None
+    _COUNTS[key] = _COUNTS.get(key, 0) + 1
+    return planned if _COUNTS[key] == planned[0] else None
 
 
 def at(point: str, rank: int) -> None:
     """A fault point: kills (or stops) this rank here if ``MULTIGPU_FAULT`` says so (a testing aid)."""
-    if _PLAN == {}:
-        return
-    planned = _plan(rank).get(point)
-    if planned is None:
-        return
-    _COUNTS[point] = _COUNTS.get(point, 0) + 1
-    if _COUNTS[point] == planned[0]:
-        os.kill(os.getpid(), signal.SIGSTOP if planned[1] else signal.SIGKILL)
+    planned = _due(point, rank)
+    if planned is None and _PLAN:
+        planned = _due(f"{point}/stop", rank)
+    if planned is not None:
+        os.kill(os.getpid(), signal.SIGSTOP if planned[1] == "stop" else signal.SIGKILL)
+
+
+def dropped(point: str, rank: int) -> bool:
+    """Whether ``MULTIGPU_FAULT`` says this rank throws away what it received at ``point`` this time."""
+    return _due(f"{point}/drop", rank) is not None

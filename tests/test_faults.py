@@ -53,15 +53,21 @@ def _compare(got_path: Path, want: dict) -> list[int]:
     return [e["rank"] for e in json.loads(str(got["lost"]))]
 
 
-@pytest.mark.parametrize(("faults", "transport", "lost"), [
-    ("1:forward/stop:4,2:sum:14", "shm", [1, 2]),  # silent (SIGSTOP) before its forward pass; inside the sum
-    ("2:update:5,0:validation:2", "shm", [2, 0]),  # after the sum, before its update; rank 0 in validation
-    ("1:input:6,0:save:2", "gloo", [1, 0]),  # reading its rows; rank 0 writing the checkpoint
-], ids=["silent-sum", "update-validation-rank0", "input-save-rank0-gloo"])
-def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, transport, lost):
+@pytest.mark.parametrize(("faults", "transport", "lost", "own_step"), [
+    ("1:forward/stop:4,2:sum:14", "shm", [1, 2], False),  # silent (SIGSTOP) before its forward pass; inside the sum
+    # A step of the model's own, whose logs are summed after its update: rank 2 after the gradients' sum, before
+    # its update (the others' updates are put back when their logs' sum fails); rank 0 in validation.
+    ("2:update:5,0:validation:2", "shm", [2, 0], True),
+    ("1:input:6,0:save:2", "gloo", [1, 0], False),  # reading its rows; rank 0 writing the checkpoint
+    # Step 5's sum reaches rank 1 and not rank 0 (its 6th sum: the first is before training), as a ring broken
+    # midway leaves it: rank 0 takes rank 1's state and that step's logs; rank 1 later, in validation.
+    ("0:sum/drop:6,2:update:5,1:validation:2", "shm", [2, 1], False),
+], ids=["silent-sum", "own-step-update-validation-rank0", "input-save-rank0-gloo", "sum-reached-one-rank0-behind"])
+def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, transport, lost, own_step):
     before = _shm()
     out = runner.tmp_path / "run.npz"
-    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", "1"],
+    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", "1",
+                      *(["--own-step"] if own_step else [])],
                      timeout=200, extra_env={"MULTIGPU_FAULT": faults, "MULTIGPU_TRANSPORT": transport})
     assert res.returncode == 0, res.stdout[-3000:]
     assert _compare(out, one_device) == lost
@@ -70,6 +76,9 @@ def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, tr
                else "was killed by signal 9 (SIGKILL)")
         assert f"rank {r} (CPU:{r}) {how}; going on with" in res.stdout
     assert res.stdout.count("again on 2 devices") + res.stdout.count("again on 1 device") >= 1
+    if "sum/drop" in faults:
+        assert ("the sum of step 5 reached rank(s) [1] and not [0] before rank 2 was lost: rank(s) [0] took rank 1's "
+                "weights, optimizer state and logs of that step") in res.stdout
     assert runner.leftovers() == []
     assert _shm() <= before
     assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
@@ -157,6 +166,15 @@ def test_a_fault_plan_names_what_is_allowed(monkeypatch):
     membership.at("sum", 0)  # another rank's fault: nothing happens here
     assert membership._PLAN == {}
     monkeypatch.setattr(membership, "_PLAN", None)
+    monkeypatch.setenv("MULTIGPU_FAULT", "1:forward/drop")  # only a sum's result can be thrown away
+    with pytest.raises(ValueError, match=r"sum/drop to throw away the result of a sum\). Received: '1:forward/drop'"):
+        membership.dropped("forward", 1)
+    monkeypatch.setattr(membership, "_PLAN", None)
+    monkeypatch.setattr(membership, "_COUNTS", {})
+    monkeypatch.setenv("MULTIGPU_FAULT", "1:sum/drop:2")
+    assert [membership.dropped("sum", 1) for _ in range(3)] == [False, True, False]
+    membership.at("sum", 1)  # a drop kills nothing
+    monkeypatch.setattr(membership, "_PLAN", None)
 
 
 def test_the_members_record_round_trips(tmp_path):
@@ -194,3 +212,33 @@ def test_after_a_loss_fixed_ratios_stay_and_automatic_shares_are_measured_once_m
         auto.record(StepRecord((max(times),) * 3, (max(times),) * 3, times, tuple(shares)))
     assert auto.shares(60) == [0, 15, 45]
     assert lines[-1] == "measured the devices in the run: CPU:1 100 samples/s, CPU:2 300 samples/s -> shares 25%/75%"
+
+
+def test_ranks_a_step_apart_take_the_state_of_the_first_one_ahead_and_others_end_the_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from multigpu import failure
+    from multigpu.backend.torch.step import TorchSteps
+
+    steps = SimpleNamespace(comm=SimpleNamespace(members=[0, 1, 3]))
+
+    def seen(*places):
+        out = [None] * 4
+        for r, (epoch, step, training, done) in zip([0, 1, 3], places):
+            out[r] = {"at": (epoch, step, training), "done": [done]}
+        return out
+
+    assert TorchSteps._ahead(steps, seen((1, 4, True, 14), (1, 4, True, 14), (1, 4, True, 14))) is None
+    assert TorchSteps._ahead(steps, seen((1, 4, True, 13), (1, 5, True, 14), (1, 5, True, 14))) == [1, 3]
+    assert TorchSteps._ahead(steps, seen((1, 5, True, 14), (1, 4, True, 13), (1, 4, True, 13))) == [0]
+    said = []
+    monkeypatch.setattr(failure, "fail", lambda reason: said.append(reason) or (_ for _ in ()).throw(SystemExit(1)))
+    for places in [((1, 3, True, 12), (1, 5, True, 14), (1, 5, True, 14)),  # two steps apart
+                   ((1, 9, True, 19), (1, 9, False, 20), (1, 9, False, 20)),  # ahead past the epoch's end
+                   ((1, 4, True, 13), (1, 5, True, 14), (1, 4, True, 12))]:  # three places
+        with pytest.raises(SystemExit):
+            TorchSteps._ahead(steps, seen(*places))
+    assert said[0].startswith("the ranks left are at different places after losing a rank (rank 0: epoch 2, step 4, "
+                              "updates [12]; rank 1: epoch 2, step 6, updates [14]; rank 3: epoch 2, step 6, updates "
+                              "[14]): the lost rank's sum reached some of them only.")
+    assert "rank 1: epoch 2, validation after step 10" in said[1]

@@ -4,6 +4,7 @@
 * :func:`own_method`: a model class's override of a Keras ``Model`` method;
 * :func:`optimizers_of`: the optimizers a model's steps may call (``model.optimizer`` and any other
   optimizer attribute, as a GAN has);
+* :func:`build_optimizer`: builds an optimizer on the variables of its first update, as its ``apply`` would;
 * :func:`batchnorm_layers`: every ``BatchNormalization`` layer, nested ones included;
 * :func:`batchnorm_statistics`: their moving statistics, once each;
 * :func:`use_global_batchnorm`: every such layer trains with statistics a backend computes over ranks.
@@ -18,8 +19,8 @@ import keras
 
 from multigpu._keras import compat as _compat
 
-__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "optimizers_of", "own_method",
-           "use_global_batchnorm"]
+__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "build_optimizer", "optimizers_of",
+           "own_method", "use_global_batchnorm"]
 
 
 def batch_rows(x) -> int:
@@ -43,6 +44,16 @@ def optimizers_of(model) -> list:
         if isinstance(value, keras.optimizers.Optimizer) and value not in found:
             found.append(value)
     return found
+
+
+def build_optimizer(optimizer, variables) -> None:
+    """Builds ``optimizer`` on ``variables`` (the ones its first ``apply`` updates) the way that ``apply``
+    would, in the optimizer's name scope; nothing when it is built."""
+    if optimizer.built:
+        return
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        optimizer.build(list(variables))
+    optimizer.built = True
 
 
 def batchnorm_layers(model) -> list:

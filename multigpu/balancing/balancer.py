@@ -283,6 +283,26 @@ class LoadBalancer:
         """Reads the shared record of a finished step (the same on every rank)."""
         if rec is None:
             return
+        self._account(rec)
+        if self._remeasure:
+            self._measure_survivors(rec)
+            return
+        self._search_on(rec)
+
+    def caught_up(self, rec: StepRecord | None, ratios: Sequence[float], before_loss: dict[int, float]) -> None:
+        """On a rank whose sum a loss cut short after other ranks had it: the step's record counted in the
+        epoch's report, and the shares of a rank that read it in time (:meth:`record` there may have moved
+        them before the loss dropped the lost rank's), so that every rank plans alike from here."""
+        if rec is not None:
+            self._account(rec)
+        self.ratios = [float(r) for r in ratios]
+        self._before_loss = dict(before_loss)
+
+    def catch_up_state(self) -> dict:
+        """What :meth:`caught_up` takes from a rank that read the step's record in time."""
+        return {"ratios": list(self.ratios), "before_loss": dict(self._before_loss)}
+
+    def _account(self, rec: StepRecord) -> None:
         e = self._epoch
         for r in range(self.world_size):
             e["wall"][r] += rec.wall[r]
@@ -294,9 +314,8 @@ class LoadBalancer:
         # the time they waited for a slower device.
         e["sum"] += min(max(0.0, s - c) for s, c in zip(rec.step, rec.compute))
         e["steps"] += 1
-        if self._remeasure:
-            self._measure_survivors(rec)
-            return
+
+    def _search_on(self, rec: StepRecord) -> None:
         if self.search is None or self.batch_size is None:
             return
         if list(rec.samples) != self.search.shares():

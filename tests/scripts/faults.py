@@ -18,10 +18,32 @@ import keras
 import numpy as np
 
 
-def build() -> keras.Model:
+class OwnStep(keras.Model):
+    """A model whose class has its own ``train_step`` (Keras's torch step, written out)."""
+
+    def train_step(self, data):
+        x, y = data
+        y_pred = self(x, training=True)
+        self.zero_grad()
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self._loss_tracker.update_state(loss, sample_weight=len(x))  # as Keras's own step does
+        loss.backward()
+        trainable = self.trainable_weights
+        self.optimizer.apply([v.value.grad for v in trainable], trainable)
+        return self.compute_metrics(x, y, y_pred)
+
+
+def build(own_step: bool = False) -> keras.Model:
     keras.utils.set_random_seed(3)
-    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(32, activation="relu"),
-                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, activation="softmax")])
+    layers = [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(16, activation="tanh"),
+              keras.layers.Dense(3, activation="softmax")]
+    if not own_step:
+        return keras.Sequential([keras.Input((12,)), *layers])
+    inputs = keras.Input((12,))
+    out = inputs
+    for layer in layers:
+        out = layer(out)
+    return OwnStep(inputs, out)
 
 
 def data(rows: int, seed: int):
@@ -44,8 +66,9 @@ def main() -> None:
     p.add_argument("--input", choices=("arrays", "pydataset", "generator", "dataloader"), default="arrays",
                    help="how the training data comes: arrays, a PyDataset with two workers, a generator, or a "
                         "torch DataLoader with two workers")
+    p.add_argument("--own-step", action="store_true", help="a model class with its own train_step")
     a = p.parse_args()
-    model = build()
+    model = build(a.own_step)
     if not a.plain:
         import multigpu
 

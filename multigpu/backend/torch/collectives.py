@@ -173,9 +173,13 @@ class Comm:
 
     def welcome(self, message):
         """The leader's ``message`` on every rank of the group (the run's position, for ranks coming back)."""
-        box = [message]
-        with self.fatal("welcoming the ranks that came back"):
-            dist.broadcast_object_list(box, src=0)
+        return self.share(message, self.leader, "welcoming the ranks that came back")
+
+    def share(self, obj, src: int, what: str):
+        """Rank ``src``'s ``obj`` (any picklable value) on every rank of the group."""
+        box = [obj]
+        with self.fatal(what):
+            dist.broadcast_object_list(box, src=self.members.index(src))
         return box[0]
 
     @property
@@ -251,10 +255,14 @@ class Comm:
         """
         with self.fatal(what):
             if self._shm is not None and self._shm.owns(buf):
-                return self._shm.reduce(buf, tag, describe)
-            membership.at("sum", self.rank)
-            dist.all_reduce(buf)
-            return buf
+                out = self._shm.reduce(buf, tag, describe)
+            else:
+                membership.at("sum", self.rank)
+                dist.all_reduce(buf)
+                out = buf
+            if membership.dropped("sum", self.rank):
+                raise ConnectionError("the sum's result was thrown away (MULTIGPU_FAULT sum/drop)")
+            return out
 
     # ------------------------------------------------------- rare collectives
     def sum_floats(self, values: Sequence[float], what: str = "a collective") -> list[float]:

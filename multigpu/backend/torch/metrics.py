@@ -184,6 +184,12 @@ class GlobalMetrics:
                 offset += n
         self._fresh = None
 
+    def start_from_zero(self) -> None:
+        """A rank that finished its step with another rank's sum (its own part of the step's counts is not
+        known apart from the others'): its states go to 0 at :meth:`take_over`, and the writer holds the rest."""
+        if self._kept is not None:
+            self._kept = torch.zeros_like(self._kept)
+
     def take_over(self, comm) -> None:
         """After a rank was lost during a step: every rank back to its states before the step, and the leader
         adds what the lost ranks had counted (the last sum less the survivors' part), so that the global

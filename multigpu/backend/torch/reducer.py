@@ -21,6 +21,11 @@ A step's figures have one owner: :meth:`GradientSync.begin_step` makes a
 :class:`StepSums` holding the step's weight ``b_r / B`` (fixed for the step
 and passed on as an argument to everything that weights a gradient), the
 extras it attaches to its next optimizer call and their sum, and its calls.
+In a run that may lose a rank it also keeps what the step's updates change
+(the variables and the optimizer's state, before the first update of each),
+so that a step of the model's own, whose logs are summed after its updates,
+can be put back and taken again when a rank is lost after an update
+(:meth:`GradientSync.undo`).
 
 Compression (``"bf16"``, ``"fp16"``) sends the weighted gradients in 16 bits
 and the rest in float32: the weighting is applied before the cast, so it stays
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multigpu import failure, membership
+from multigpu._keras.model_parts import build_optimizer
 from multigpu._warn import warn_user
 from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.torch.flat import Layout, WeightedWriter
@@ -66,6 +72,8 @@ class StepSums:
         extras_out: the sum of the last extras sent.
         log: the calls as ``(apply, variables)``, for a rank with no rows in a later step to replay.
         called: each call's variables, the plan of the next step's overlapped sums.
+        kept: in a step that may be taken again, each variable its updates changed (by id) with its value
+            before the step's first update of it; None otherwise.
     """
 
     weight: float
@@ -74,6 +82,7 @@ class StepSums:
     extras_out: list[float] | None = None
     log: list[tuple] = field(default_factory=list)
     called: list[list] = field(default_factory=list)
+    kept: dict[int, tuple] | None = None
 
 
 class GradientSync:
@@ -129,14 +138,16 @@ class GradientSync:
             sync.step.log.append((original, variables))
             grads = sync.reduce(list(grads), variables)
             membership.at("update", sync.comm.rank)
+            sync.keep_update(optimizer, variables)
             return original(grads, trainable_variables)
 
         ledger.set(optimizer, "apply", apply)
         ledger.set(optimizer, "_multigpu_sync", self)
 
-    def begin_step(self, weight: float) -> StepSums:
-        """Starts a training step whose gradients are weighted by ``weight`` (``b_r / B``): returns its sums."""
-        self.step = self._last = StepSums(float(weight))
+    def begin_step(self, weight: float, keep: bool = False) -> StepSums:
+        """Starts a training step whose gradients are weighted by ``weight`` (``b_r / B``): returns its sums.
+        With ``keep``, what the step's updates change is kept, to put back with :meth:`undo`."""
+        self.step = self._last = StepSums(float(weight), kept={} if keep else None)
         self.overlapping = False
         self._arm(0)
         return self.step
@@ -156,8 +167,33 @@ class GradientSync:
         for original, variables in calls:
             self.step.log.append((original, variables))
             grads = self.reduce([None] * len(variables), variables)
+            self.keep_update(original.__self__, variables)
             with torch.no_grad():
                 original(grads, variables)
+
+    def keep_update(self, optimizer, variables: list) -> None:
+        """Before an update of a step that keeps them: the values of ``variables`` and of the optimizer's state,
+        the first time the step updates each (the optimizer is built first, as its ``apply`` would)."""
+        kept = self.step.kept if self.step is not None else None
+        if kept is None:
+            return
+        build_optimizer(optimizer, variables)
+        for v in (*variables, *optimizer.variables):
+            if id(v) not in kept:
+                kept[id(v)] = (v, v.value.detach().clone())
+
+    def forget_kept(self) -> None:
+        """The last step finished: what its updates changed is not put back any more."""
+        if self._last.kept:
+            self._last.kept.clear()
+
+    def undo(self) -> None:
+        """Puts back the values the last step's updates changed (kept with ``begin_step(keep=True)``)."""
+        kept = self._last.kept or {}
+        with torch.no_grad():
+            for v, value in kept.values():
+                v.value.copy_(value)
+        kept.clear()
 
     def end_step(self) -> None:
         step, self.step = self.step, None

@@ -24,8 +24,13 @@ become global in one collective after the step.
 When a rank is lost during a step (:mod:`multigpu.membership`), its sum
 raises :class:`~multigpu.membership.PeerLostError` before any weight changed: the
 step puts back what its forward pass changed (metric states, non-trainable
-variables such as BatchNorm's moving statistics), plans the same global batch
-over the ranks left, and runs again on its new rows.  When a lost rank's
+variables such as BatchNorm's moving statistics; and for a step of the
+model's own, whose logs are summed after its updates, what those updates
+changed), plans the same global batch over the ranks left, and runs again on
+its new rows.  A sum that the loss cut short on some ranks after others had
+it (a ring collective broken midway) leaves the ones that had it a step
+ahead: the others take the state of one of them and finish their step with
+its logs (:meth:`TorchSteps._catch_up`).  When a lost rank's
 process, started again, waits to come back, the ranks say so in the sum's
 last word; at the next step they form a group with it, send it the run's
 position and state (:meth:`TorchSteps._welcome`), and plan that step's batch
@@ -42,7 +47,7 @@ import torch
 
 from multigpu import env, failure, membership
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
+from multigpu._keras.model_parts import batch_rows, build_optimizer, optimizers_of, own_method
 from multigpu.backend.steps import StepsCore
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
@@ -84,6 +89,7 @@ class TorchSteps(StepsCore):
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
         self._welcome_due = False  # the last sum said ranks coming back wait: take them in at this step
+        self._last_train: tuple[list[float], int] | None = None  # the last training sum read (may lose a rank)
         if self.sync_batchnorm:
             install_global_moments(model, parallel.ledger)
 
@@ -102,9 +108,9 @@ class TorchSteps(StepsCore):
                 "_initialize_ddp": _no_ddp}
 
     # ---------------------------------------------------------- variables
-    def _broadcast_variables(self, variables, what: str) -> None:
+    def _broadcast_variables(self, variables, what: str, src: int | None = None) -> None:
         _move_to(self.model.variables, self.comm.device)
-        self.comm.broadcast([v.value for v in variables], what=what)
+        self.comm.broadcast([v.value for v in variables], src=src, what=what)
 
     def _offset_seeds(self, variables, offset: int) -> None:
         with torch.no_grad():
@@ -132,7 +138,9 @@ class TorchSteps(StepsCore):
             try:
                 return self._train_on(data, x, y, sample_weight, plan)
             except membership.PeerLostError as lost:
-                data, plan = self._after_loss(lost, kept, for_step=True)
+                data, plan, logs = self._after_loss(lost, kept, for_step=True)
+                if logs is not None:
+                    return logs  # the step was done elsewhere: this rank took its state
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
     # ---------------------------------------------------------- a lost rank
@@ -144,18 +152,32 @@ class TorchSteps(StepsCore):
         return [v.value.detach().clone() for v in self.model.non_trainable_variables]
 
     def _after_loss(self, lost: membership.PeerLostError, kept: list | None, for_step: bool):
-        """After the group of the ranks left formed (the sum did that): the step's changes undone, the lost
-        ranks' metric counts taken over, and the same global batch planned again: ``(new rows, new plan)``."""
+        """After the group of the ranks left formed (the sum did that): ``(new rows, new plan, None)``, the
+        step's changes undone, the lost ranks' metric counts taken over, and the same global batch planned
+        again; or, on a rank that the loss left a step behind others (:meth:`_catch_up`), ``(None, None, logs)``:
+        its step is done, with their state."""
         began = time.perf_counter()
-        with torch.no_grad():
-            for v, value in zip(self.model.non_trainable_variables, kept or ()):
-                v.value.copy_(value)
+        self.sync.undo()  # a step of the model's own: what its updates changed before its logs' sum failed
+        position = self.parallel.position
+        where = {"at": (position.get("epoch", 0), position.get("step", 0), for_step),
+                 "done": [int(keras.ops.convert_to_numpy(o.iterations)) for o in self._optimizers()]}
+        seen = self.comm.gather_objects(where, "comparing the steps done")
+        ahead = self._ahead(seen)
+        behind = ahead is not None and self.comm.rank not in ahead
+        if not behind:
+            with torch.no_grad():
+                for v, value in zip(self.model.non_trainable_variables, kept or ()):
+                    v.value.copy_(value)
+        logs = self._catch_up(ahead[0], behind) if ahead is not None else None
         self.metrics.take_over(self.comm)
-        steps = [int(keras.ops.convert_to_numpy(o.iterations)) for o in self._optimizers()]
-        seen = {tuple(s) for s in self.comm.gather_objects(steps, "comparing the steps done") if s is not None}
-        if len(seen) > 1:
-            failure.fail(f"the ranks left disagree on the steps done ({sorted(seen)}) after losing a rank: the "
-                         "lost rank's sum reached some of them only. Going on needs one state: the run ends.")
+        entry = lost.members.lost[-1]
+        if ahead is not None and self.comm.rank == self.comm.leader:
+            others = [r for r in self.comm.members if r not in ahead]
+            print(f"multigpu: the sum of step {seen[ahead[0]]['at'][1]} reached rank(s) {ahead} and not {others} "
+                  f"before rank {entry['rank']} was lost: rank(s) {others} took rank {ahead[0]}'s weights, optimizer "
+                  f"state and logs of that step ({time.perf_counter() - began:.2f} s).", flush=True)
+        if behind:
+            return None, None, logs
         again = self.balancer.planner.again(for_step)
         if again is None:
             failure.fail(f"{lost}, but this batch cannot be cut again: a DataLoader over a map-style dataset draws "
@@ -164,15 +186,64 @@ class TorchSteps(StepsCore):
                          "keras.utils.PyDataset, a generator, a tf.data or grain dataset.")
         plan, data = again
         if self.comm.rank == self.comm.leader:
-            entry = lost.members.lost[-1]
             shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
-            where = f"step {steps[0] + 1}" if for_step and steps else "a validation batch"
-            print(f"multigpu: lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {where} again on "
-                  f"{len(self.comm.members)} device{'s' if len(self.comm.members) > 1 else ''}, rows {shares} of "
-                  f"{plan.total}; "
-                  f"{time.time() - entry['at']:.1f} s after the loss ({time.perf_counter() - began:.2f} s to "
-                  "agree).", flush=True)
-        return data, plan
+            done = where["done"]
+            at = f"step {done[0] + 1}" if for_step and done else "a validation batch"
+            n = len(self.comm.members)
+            print(f"multigpu: lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {at} again on "
+                  f"{n} device{'s' if n > 1 else ''}, "
+                  f"rows {shares} of {plan.total}; {time.time() - entry['at']:.1f} s after the loss "
+                  f"({time.perf_counter() - began:.2f} s to agree).", flush=True)
+        return data, plan, None
+
+    def _ahead(self, seen: list) -> list[int] | None:
+        """The ranks a step ahead of the others (in group order), or None when every rank left is where the
+        others are; the run ends, saying why, when the ranks left cannot be brought to one state."""
+        members = self.comm.members
+        places = {r: (tuple(seen[r]["at"]), tuple(seen[r]["done"])) for r in members}
+        if len(set(places.values())) == 1:
+            return None
+        first = max(places.values())
+        ahead = [r for r in members if places[r] == first]
+        rest = {places[r] for r in members if places[r] != first}
+        (epoch, step, training), done = first
+        if len(rest) == 1:
+            (b_epoch, b_step, b_training), b_done = next(iter(rest))
+            if (training and b_training and b_epoch == epoch and b_step + 1 == step
+                    and all(a >= b for a, b in zip(done, b_done))):
+                return ahead
+        where = "; ".join(f"rank {r}: epoch {(at := places[r][0])[0] + 1}, "
+                          f"{'step' if at[2] else 'validation after step'} {at[1] + 1}, updates {list(places[r][1])}"
+                          for r in members)
+        failure.fail(f"the ranks left are at different places after losing a rank ({where}): the lost rank's sum "
+                     "reached some of them only. A rank one training step behind the others takes their state; "
+                     "these are further apart (past the end of an epoch), so the run ends.")
+
+    def _catch_up(self, src: int, behind: bool):
+        """When the lost rank's sum reached some ranks only, which applied that step and went on to the next:
+        rank ``src`` (the first of them) sends its weights and optimizer state, the sum it read and the shares
+        it planned with, and a rank that missed the sum (``behind``) finishes its step with them, as if its sum
+        had arrived: the step's global logs (returned), the step's record, its metric states at 0 (the global
+        sums stay right: the writer takes over the difference). Its non-trainable variables (BatchNorm's
+        moving statistics, its random streams) stay its own, as they are after its forward pass."""
+        leading = self.comm.rank == src
+        message = self.comm.share({"summed": self._last_train, **self.balancer.catch_up_state()} if leading
+                                  else None, src, "sending the step some ranks missed")
+        trainable = list(self.model.trainable_variables)
+        state, ids = list(trainable), {id(v) for v in trainable}
+        for optimizer in self._optimizers():
+            build_optimizer(optimizer, trainable)
+            state += [v for v in optimizer.variables if id(v) not in ids]
+            ids.update(id(v) for v in optimizer.variables)
+        self._broadcast_variables(state, "sending the state of a step some ranks missed", src=src)
+        if not behind:
+            return None
+        summed, n_timing = message["summed"]
+        adopt = {"ratios": message["ratios"], "before_loss": message["before_loss"]}
+        logs = self._finish(summed, "train", n_timing, adopt=adopt)
+        self._welcome_due = False  # the others read that word before the loss, at the step they take again
+        self.metrics.start_from_zero()
+        return logs
 
     def _cut_again(self, plan):
         """``(this rank's rows, plan)`` of the batch being stepped on, planned again by the shares now."""
@@ -227,7 +298,10 @@ class TorchSteps(StepsCore):
         self.timing.begin()
         self._see_optimizers()
         # With global BatchNorm statistics the backward pass crosses ranks, so each rank weights its own loss.
-        self.sync.begin_step(1.0 if self.sync_batchnorm else plan.weight)
+        # A step of the model's own sums its logs after its updates: in a run that may lose a rank it keeps what
+        # they change, to take the step again after a loss in that sum.
+        self.sync.begin_step(1.0 if self.sync_batchnorm else plan.weight,
+                             keep=self.comm.min_devices is not None and self.user_train_step is not None)
         try:
             if self.user_train_step is not None:
                 logs = self._custom_train(data, plan)
@@ -235,6 +309,7 @@ class TorchSteps(StepsCore):
                 logs = self._builtin_train(x, y, sample_weight, plan)
         finally:
             self.sync.end_step()
+        self.sync.forget_kept()  # the step is done everywhere: no putting back its updates
         self.timing.end(plan.local)
         if self._recorded:
             self._recorded = False
@@ -308,15 +383,21 @@ class TorchSteps(StepsCore):
                                       describe=lambda: f"the step's logs ({vec.numel()} values) after the step")
         return self._finish(summed[:-1].tolist(), phase, len(timing))
 
-    def _finish(self, summed: list[float], phase: str, n_timing: int | None = None):
-        """The global logs; a training step's timing slots (and the last word) read."""
+    def _finish(self, summed: list[float], phase: str, n_timing: int | None = None, adopt: dict | None = None):
+        """The global logs; a training step's timing slots (and the last word) read (``adopt``: another
+        rank's shares, for a step this rank finishes with that rank's sum: :meth:`_catch_up`)."""
         n_timing = self.timing.size + 1 if n_timing is None else n_timing
+        if phase == "train" and self.comm.min_devices is not None:
+            self._last_train = (list(summed), n_timing)
         logs, timing = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
             self._welcome_due = timing[-1] > 0
             timing = timing[:-1]
-            self.balancer.record(StepRecord.from_vector(timing, self.comm.world_size, complete=True,
-                                                        members=self.comm.members))
+            rec = StepRecord.from_vector(timing, self.comm.world_size, complete=True, members=self.comm.members)
+            if adopt is None:
+                self.balancer.record(rec)
+            else:
+                self.balancer.caught_up(rec, **adopt)
         return logs
 
     def _calibrate_on(self, x, y, sample_weight, plan) -> None:
@@ -363,7 +444,7 @@ class TorchSteps(StepsCore):
             try:
                 return self._test_on(data)
             except membership.PeerLostError as lost:
-                data, _ = self._after_loss(lost, kept, for_step=False)
+                data, _, _ = self._after_loss(lost, kept, for_step=False)
 
     def _test_on(self, data):
         membership.at("validation", self.comm.rank)
