@@ -303,6 +303,12 @@ def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
         say(f"min_devices={min_devices}: on {where} a lost device ends the run (restart it with "
             "BackupAndRestore); going on without one needs torch under multigpu's own supervisor")
         return
+    if all(d.is_cuda for d in runtime.devices):
+        say(f"min_devices={min_devices}: on GPUs alone (an NCCL group) a lost device ends the run (restart it with "
+            "BackupAndRestore): a sum that a lost GPU leaves unfinished waits on the others' GPUs, where leaving "
+            "it needs NCCL's abort, which multigpu does not call; going on without a lost device needs a gloo "
+            "group (CPU devices, or GPUs beside a CPU device)")
+        return
     comm.min_devices = min_devices
     membership.allow_shrink(runtime.rank, min_devices)
     membership.start_heartbeat(runtime.rank)

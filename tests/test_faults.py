@@ -154,6 +154,31 @@ def test_min_devices_is_checked_and_named():
             _min_devices(bad, 3)
 
 
+def test_min_devices_says_where_a_lost_device_still_ends_the_run(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from multigpu import api, membership
+    from multigpu.devices import parse_devices
+
+    monkeypatch.setenv("MULTIGPU_RUN_DIR", str(tmp_path))
+    monkeypatch.setattr(membership, "start_heartbeat", lambda rank: None)
+    torch_ = SimpleNamespace(name="torch")
+    ours = SimpleNamespace(name="multigpu", knows_every_device=True)
+    for devices, facts, environment, allowed, said in [
+        (["cpu:0", "cpu:1"], torch_, ours, True, None),
+        (["gpu:0", "gpu:1"], torch_, ours, False, "on GPUs alone (an NCCL group) a lost device ends the run"),
+        (["gpu:0", "cpu:0"], torch_, ours, True, None),  # one gloo group for both
+        (["cpu:0", "cpu:1"], SimpleNamespace(name="jax"), ours, False, "on the jax backend a lost device ends"),
+        (["cpu:0", "cpu:1"], torch_, SimpleNamespace(name="torchrun", knows_every_device=False), False,
+         "on torchrun a lost device ends the run"),
+    ]:
+        runtime = SimpleNamespace(devices=parse_devices(devices, num_gpus=lambda: 2), environment=environment, rank=0)
+        comm, lines = SimpleNamespace(min_devices=None), []
+        api._allow_shrink(runtime, comm, 1, facts, lines.append)
+        assert (comm.min_devices == 1) is allowed, devices
+        assert (lines == []) if said is None else (said in lines[0] and "BackupAndRestore" in lines[0]), lines
+
+
 def test_a_fault_plan_names_what_is_allowed(monkeypatch):
     from multigpu import membership
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu import env, failure, membership
+from multigpu.backend.torch.group import process_group_backend
 from multigpu.membership import PeerLostError
 
 __all__ = ["CollectiveMismatchError", "Comm"]
@@ -184,7 +185,9 @@ class Comm:
 
     @property
     def _group_backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        """The backend of the run's first group (:func:`~multigpu.backend.torch.group.process_group_backend`), for
+        every later one: each rank must name the same (a GPU rank beside a CPU one is on gloo too)."""
+        return process_group_backend(self.runtime)
 
     def _lost_or_fail(self, what: str, exc: Exception) -> None:
         """After a collective failed: :class:`PeerLostError` when a peer was lost and the run goes on, else the end."""
