@@ -44,6 +44,14 @@ OUTSIDE = {
     "test_tfdata.py::test_tf_data_pipelines_reproduce_one_device[jax-3,1]": "tf.data on torch and JAX's steps stay",
     "test_jax.py::test_parallel_run_matches_single_device_on_jax[1,2,5-adam]": "3:1 with SGD and Adam stays",
     "test_jax.py::test_torchrun_two_machines_on_loopback_on_jax": "torchrun on torch stays",
+    "test_tensorflow.py::test_torchrun_two_machines_on_loopback_on_tensorflow": "torchrun on torch stays",
+    "test_tensorflow.py::test_a_rank_that_stops_answering_ends_the_tensorflow_run_within_the_timeout":
+        "a killed rank on TensorFlow and the sleeping rank on torch stay",
+    "test_launchers.py::test_srun_runs_two_tasks_as_one_run_equal_to_one_device[jax]": "srun on torch stays",
+    "test_launchers.py::test_mpirun_runs_two_processes_as_one_run_equal_to_one_device[jax]": "mpirun on torch stays",
+    "test_launch.py::test_an_exception_on_a_rank_ends_the_run_naming_it[1-fit-python]":
+        "the exception at parallelize under multigpu run stays",
+    "test_notebook.py::test_a_killed_kernel_leaves_no_process_behind": "the stop button and a rank's error stay",
 }
 
 

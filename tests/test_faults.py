@@ -58,11 +58,11 @@ def _compare(got_path: Path, want: dict) -> list[int]:
     # A step of the model's own, whose logs are summed after its update: rank 2 after the gradients' sum, before
     # its update (the others' updates are put back when their logs' sum fails); rank 0 in validation.
     ("2:update:5,0:validation:2", "shm", [2, 0], True),
-    ("1:input:6,0:save:2", "gloo", [1, 0], False),  # reading its rows; rank 0 writing the checkpoint
-    # Step 5's sum reaches rank 1 and not rank 0 (its 6th sum: the first is before training), as a ring broken
-    # midway leaves it: rank 0 takes rank 1's state and that step's logs; rank 1 later, in validation.
-    ("0:sum/drop:6,2:update:5,1:validation:2", "shm", [2, 1], False),
-], ids=["silent-sum", "own-step-update-validation-rank0", "input-save-rank0-gloo", "sum-reached-one-rank0-behind"])
+    # Over gloo, step 5's sum reaches rank 0 and not rank 1 (its 6th sum: the first is before training), as a ring
+    # broken midway leaves it: rank 1 takes rank 0's state and that step's logs; rank 0 later, writing the
+    # checkpoint. (A rank reading its rows: test_inputs_read_once_per_machine_go_on_without_a_lost_rank.)
+    ("1:sum/drop:6,2:update:5,0:save:2", "gloo", [2, 0], False),
+], ids=["silent-sum", "own-step-update-validation-rank0", "sum-reached-one-save-rank0-gloo"])
 def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, transport, lost, own_step):
     before = _shm()
     out = runner.tmp_path / "run.npz"
@@ -77,7 +77,7 @@ def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, tr
         assert f"rank {r} (CPU:{r}) {how}; going on with" in res.stdout
     assert res.stdout.count("again on 2 devices") + res.stdout.count("again on 1 device") >= 1
     if "sum/drop" in faults:
-        assert ("the sum of step 5 reached rank(s) [1] and not [0] before rank 2 was lost: rank(s) [0] took rank 1's "
+        assert ("the sum of step 5 reached rank(s) [0] and not [1] before rank 2 was lost: rank(s) [1] took rank 0's "
                 "weights, optimizer state and logs of that step") in res.stdout
     assert runner.leftovers() == []
     assert _shm() <= before
