@@ -116,6 +116,7 @@ class GradientSync:
         self._armed: tuple[int, Bucketed] | None = None  # (call, plan) the hooks write into
         self._hooked: dict[int, object] = {}  # id(tensor) -> its hook's handle
         self.overlapping = False  # the last step's calls were summed during the backward pass
+        self._kept_values: dict[int, torch.Tensor] = {}  # id(variable) -> where a step keeps its value (keep=True)
 
     # ------------------------------------------------------------ wiring
     def wrap(self, optimizer, ledger) -> None:
@@ -178,9 +179,17 @@ class GradientSync:
         if kept is None:
             return
         build_optimizer(optimizer, variables)
-        for v in (*variables, *optimizer.variables):
-            if id(v) not in kept:
-                kept[id(v)] = (v, v.value.detach().clone())
+        with torch.no_grad():
+            for v in (*variables, *optimizer.variables):
+                if id(v) in kept:
+                    continue
+                value = v.value
+                buf = self._kept_values.get(id(v))
+                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.device != value.device:
+                    # Kept across steps: a fresh copy each step would pay for new pages every time.
+                    buf = self._kept_values[id(v)] = torch.empty_like(value)
+                buf.copy_(value)
+                kept[id(v)] = (v, buf)
 
     def forget_kept(self) -> None:
         """The last step finished: what its updates changed is not put back any more."""
