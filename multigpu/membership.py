@@ -54,7 +54,7 @@ from multigpu import env
 
 __all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLostError", "allow_shrink", "at", "await_change",
            "await_welcome", "beat_age", "dropped", "forget_rank", "is_ready", "latest", "open_welcome", "read",
-           "say_ready", "shrink_allowed", "start_heartbeat", "write"]
+           "say_ready", "shrink_allowed", "start_heartbeat", "welcomed", "write"]
 
 BEAT = 0.5  # seconds between a rank's heartbeats
 LOST_AFTER = 5.0  # seconds without a heartbeat after which a rank is lost
@@ -232,6 +232,16 @@ def forget_rank(run_dir: str, rank: int) -> None:
 def open_welcome(run_dir: str, generation: int) -> None:
     """The ranks in the run are forming generation ``generation``'s group with the ranks coming back."""
     (Path(run_dir) / f"welcome-{generation}").touch()
+
+
+def welcomed(run_dir: str, generation: int) -> bool:
+    """Whether the ranks in the run formed generation ``generation``'s group, or a later one (the supervisor's
+    side: a rank counted again in ``generation`` is in their group from then on)."""
+    for path in Path(run_dir).glob("welcome-*"):
+        suffix = path.name.removeprefix("welcome-")
+        if suffix.isdigit() and int(suffix) >= generation:
+            return True
+    return False
 
 
 def await_welcome(run_dir: str, generation: int) -> None:

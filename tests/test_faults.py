@@ -267,3 +267,35 @@ def test_ranks_a_step_apart_take_the_state_of_the_first_one_ahead_and_others_end
                               "updates [12]; rank 1: epoch 2, step 6, updates [14]; rank 3: epoch 2, step 6, updates "
                               "[14]): the lost rank's sum reached some of them only.")
     assert "rank 1: epoch 2, validation after step 10" in said[1]
+
+
+def test_a_rank_counted_again_as_the_others_finish_is_ended_and_the_run_succeeds(tmp_path):
+    """The supervisor counts a restarted rank among the members when it is ready; if the others finish before
+    they form a group with it (it was ready at their last step), its wait for them ends with the run."""
+    from multigpu.devices import Device
+    from multigpu.runtime.supervisor import Supervisor
+
+    class Proc:
+        def __init__(self, code):
+            self.code, self.killed = code, False
+
+        def poll(self):
+            return self.code
+
+        def kill(self):
+            self.killed, self.code = True, -9
+
+        def wait(self):
+            return self.code
+
+    for welcomed in (False, True):
+        group = Supervisor(["true"], [Device("cpu", i) for i in range(3)], 10.0)
+        group.run_dir = str(tmp_path / str(welcomed))
+        os.makedirs(group.run_dir)
+        group.procs = [Proc(0), Proc(0), Proc(None)]
+        group.admitted = {2: 3}  # counted again in generation 3
+        if welcomed:
+            (Path(group.run_dir) / "welcome-3").touch()  # the others formed the group with it: a member
+        assert group.poll() == ((None, None) if welcomed else (0, None))
+        assert group.procs[2].killed is not welcomed
+        assert group.lost == ({} if welcomed else {2: "started again, but the run ended before it could rejoin"})

@@ -90,6 +90,7 @@ class Supervisor:
         self._reported_at: dict[int, float] = {}
         self.lost: dict[int, str] = {}  # rank -> why it was lost
         self.joining: dict[int, float] = {}  # rank -> when its process was started again, until it is a member
+        self.admitted: dict[int, int] = {}  # rank -> the generation that counts it again, until the others form it
         self.restarts_left = 0
 
     # ------------------------------------------------------------ one attempt
@@ -103,6 +104,7 @@ class Supervisor:
         self._reported_at = {}
         self.lost = {}
         self.joining = {}
+        self.admitted = {}
         try:
             for r in range(len(self.devices)):
                 self.procs.append(self._spawn(r, listener if r == 0 else None))
@@ -183,12 +185,17 @@ class Supervisor:
         if failure is not None and not self._lose(*failure):
             return failure
         self._admit()
-        members = [p for r, p in enumerate(self.procs) if r not in self.lost and r not in self.joining]
+        for r, generation in list(self.admitted.items()):
+            if membership.welcomed(self.run_dir, generation):
+                self.admitted.pop(r)  # in the others' group: a member like any other
+        outside = set(self.joining) | set(self.admitted)  # started again, in no group yet
+        members = [p for r, p in enumerate(self.procs) if r not in self.lost and r not in outside]
         if all(p.poll() == 0 for p in members):
-            for r in list(self.joining):  # came back too late: the run ended before it could take part
+            for r in sorted(outside):  # came back too late: the run ended before it could take part
                 self.procs[r].kill()
                 self.procs[r].wait()
-                self.joining.pop(r)
+                self.joining.pop(r, None)
+                self.admitted.pop(r, None)
                 self.lost[r] = "started again, but the run ended before it could rejoin"
             return 0, None
         return None, None
@@ -260,9 +267,10 @@ class Supervisor:
             label = self.devices[rank].label
             members = (*self._members(), rank)
             entry = {"rank": rank, "device": label, "at": time.time()}
+            generation = (old.generation if old else 0) + 1
             membership.write(self.run_dir, membership.Members(
-                (old.generation if old else 0) + 1, members, old.lost if old else (),
-                (*(old.joined if old else ()), entry)))
+                generation, members, old.lost if old else (), (*(old.joined if old else ()), entry)))
+            self.admitted[rank] = generation
             print(f"multigpu: rank {rank} ({label}) is ready again ({time.time() - started:.1f} s after its "
                   "start); the others take it in at their next step.", file=sys.stderr, flush=True)
 
