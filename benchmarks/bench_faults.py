@@ -12,9 +12,9 @@ step ``--kill-at`` of epoch 2, once per run.  Three ways:
   run goes on with), no fault: what the shrunk run should match after the loss;
 * ``restart``: ``multigpu run --max-restarts 1`` with ``keras.callbacks.BackupAndRestore`` (a backup
   per epoch): every rank restarts, and the run resumes after epoch 1;
-* ``rejoin``: ``multigpu run --min-devices 2 --max-restarts 1``, over 5 epochs: the survivors go on,
-  rank 2's process is started again and rejoins; samples/s of its last epoch (all three devices again)
-  against the same run's before the loss.
+* ``rejoin``: ``multigpu run --min-devices 2 --max-restarts 1``, over 8 epochs: the survivors go on,
+  rank 2's process is started again and rejoins; samples/s of its last epoch (all three devices again,
+  checked) against the same run's before the loss.
 
 Printed and written to ``benchmarks/faults/faults.json``: the time from the death (the supervisor's
 record of it, within 50 ms of it; under restart, the end of the last step before it) to the end of the
@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "_faults_worker.py"
 BATCH = 128
+REJOIN_EPOCHS = 8  # rank 2's new process is ready about 9 s after its death, epochs before the last one
 
 
 def _run(devices: str, ratios: str, extra: list[str], worker: list[str], env_extra: dict, folder: Path,
@@ -81,8 +82,8 @@ def main() -> None:
             restart = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--max-restarts", "1"],
                            [*dying, "--backup", str(folder / "backup")], {}, folder, "restart")
             rejoin = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--min-devices", "2", "--max-restarts", "1"],
-                          ["--steps", str(a.steps), "--epochs", "5", "--die-at", str(a.steps + a.kill_at)], {},
-                          folder, "rejoin")
+                          ["--steps", str(a.steps), "--epochs", str(REJOIN_EPOCHS), "--die-at",
+                           str(a.steps + a.kill_at)], {}, folder, "rejoin")
         death = shrink["out"]["lost"][0]["at"]
         after = next(at for at, _, _ in shrink["marks"] if at > death)
         # The first attempt's last step before the death, then the restarted run's first step (it resumes epoch 2).
@@ -103,10 +104,14 @@ def main() -> None:
             "shares_after": shrink["out"]["ratios"],
             "rejoin_seconds_from_death_to_ready": rejoin["out"]["joined"][0]["at"] - rejoin["out"]["lost"][0]["at"],
             "rejoin_before_samples_per_second": _rate(rejoin["marks"], 1, 3, a.kill_at - 2),
-            "rejoin_after_samples_per_second": _rate(rejoin["marks"], 4, *steady),
+            "rejoin_after_samples_per_second": _rate(rejoin["marks"], REJOIN_EPOCHS - 1, *steady),
             "rejoin_shares_after": rejoin["out"]["ratios"],
         }
         row["rejoin_after_vs_before"] = row["rejoin_after_samples_per_second"] / row["rejoin_before_samples_per_second"]
+        # The last epoch's rate is of all three devices only if rank 2 was back before its measured steps began.
+        began = next(at for at, e, s in rejoin["marks"] if (e, s) == (REJOIN_EPOCHS - 1, steady[0] - 1))
+        if not rejoin["out"]["joined"] or rejoin["out"]["joined"][0]["at"] > began:
+            raise SystemExit(f"rank 2 was not back before the last epoch's measured steps: {rejoin['out']}")
         row["after_vs_survivors"] = row["after_samples_per_second"] / row["survivors_samples_per_second"]
         rounds.append(row)
         print(json.dumps(row), flush=True)
