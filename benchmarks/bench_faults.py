@@ -1,6 +1,6 @@
 """A device lost mid-epoch: how long the survivors take to go on, and how fast they go after it.
 
-    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_faults.py     # ~4 min
+    KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_faults.py     # ~5 min
 
 Three devices train the convnet of ``_input_worker.py`` (width 2, in-memory images, global batch 128,
 ``--steps`` steps an epoch, 3 epochs, SGD) at fixed ratios 1:2:1: ``cpu:0`` and ``cpu:1`` on a core
