@@ -4,9 +4,9 @@
 
 Two CPU devices at 1:1 (a core each) train a dense network (784 -> ``--width`` -> ``--width`` -> 10,
 Adam, global batch 256, 24 steps an epoch, 3 epochs) under ``python`` (multigpu's own supervisor),
-once with Keras's step and once with a ``train_step`` of the model's own (Keras's torch step written
-out), each with and without ``min_devices=1``, alternating, ``--rounds`` times.  With ``min_devices``
-every rank beats a heartbeat, and keeps what a step's forward pass changes (metric states,
+once with Keras's step and once with a ``train_step`` of the model's own (``custom_step_model.py``'s,
+Keras's torch step written out), each with and without ``min_devices=1``, alternating, ``--rounds``
+times.  With ``min_devices`` every rank beats a heartbeat, and keeps what a step's forward pass changes (metric states,
 non-trainable variables); a step of the model's own also keeps what its updates change (the weights
 and the optimizer's state, copied into buffers kept across steps), since its logs are summed after
 its updates and a loss there must put them back.  Samples/s of the fastest epoch after the first;
@@ -34,25 +34,15 @@ def worker(step: str, ready: bool, width: int) -> None:
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import keras
     import numpy as np
+    from custom_step_model import CustomStep  # this folder's: Keras's guide's torch step, written by hand
 
     import multigpu
-
-    class OwnStep(keras.Model):
-        def train_step(self, data):
-            x, y = data
-            y_pred = self(x, training=True)
-            self.zero_grad()
-            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
-            loss.backward()
-            trainable = self.trainable_weights
-            self.optimizer.apply([v.value.grad for v in trainable], trainable)
-            return self.compute_metrics(x, y, y_pred)
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((784,))
     h = keras.layers.Dense(width, activation="relu")(inputs)
     h = keras.layers.Dense(width, activation="relu")(h)
-    model = (OwnStep if step == "own" else keras.Model)(inputs, keras.layers.Dense(10)(h))
+    model = (CustomStep if step == "own" else keras.Model)(inputs, keras.layers.Dense(10)(h))
     model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[1, 1],
                                  min_devices=1 if ready else None)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -217,7 +217,8 @@ class TorchSteps(StepsCore):
                           for r in members)
         failure.fail(f"the ranks left are at different places after losing a rank ({where}): the lost rank's sum "
                      "reached some of them only. A rank one training step behind the others takes their state; "
-                     "these are further apart (past the end of an epoch), so the run ends.")
+                     "these are further apart (more than one step, past the end of an epoch, or in more than two "
+                     "places), so the run ends.")
 
     def _catch_up(self, src: int, behind: bool):
         """When the lost rank's sum reached some ranks only, which applied that step and went on to the next:
