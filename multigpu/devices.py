@@ -8,12 +8,18 @@ name devices the way Keras users already do:
   split between the CPU devices in use, in the order they are listed;
 * ``"cpu:1@0.5"``: a CPU device limited to half of its cores' bandwidth (a
   simulated slower device; see :mod:`multigpu.throttle`);
+* ``"cpu:0/1536MiB"``, ``"cpu:1@0.5/2GiB"``: a CPU device with a memory of
+  that size (a simulated smaller device): the operating system refuses its
+  process more private memory than it held at the start plus that size
+  (``RLIMIT_DATA``), so an allocation beyond it fails inside the framework,
+  as on a full GPU;
 * ``"auto"``: every visible GPU; on a machine without GPUs, one CPU device per
   core, at most 8 (so a 2-core machine gets ``cpu:0`` and ``cpu:1``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -22,9 +28,13 @@ from dataclasses import dataclass, field
 
 from multigpu import env
 
-__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "parse_devices", "usable_cores"]
+__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "format_size", "parse_devices", "parse_size",
+           "usable_cores"]
 
-_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@]+))?$")
+_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@/]+))?(?:/(?P<memory>[^@/]+))?$")
+_SIZE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?i?b?)$")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _MAX_AUTO_CPU_DEVICES = 8
 
 
@@ -38,12 +48,14 @@ class Device:
         speed: fraction of the device's bandwidth to use (CPU only; 1.0 = all).
         cores: the CPU cores this device is bound to (filled in by
             :func:`assign_cores`; empty for GPUs).
+        memory: bytes of memory a CPU device is given (``cpu:0/2GiB``), or None: as much as the machine has.
     """
 
     kind: str
     index: int
     speed: float = 1.0
     cores: tuple[int, ...] = field(default=(), compare=False)
+    memory: int | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -53,7 +65,8 @@ class Device:
     def spec(self) -> str:
         """The canonical spelling, e.g. ``"cuda:0"`` or ``"cpu:1@0.5"``."""
         base = f"{self.kind}:{self.index}"
-        return base if self.speed == 1.0 else f"{base}@{self.speed:g}"
+        base = base if self.speed == 1.0 else f"{base}@{self.speed:g}"
+        return base if self.memory is None else f"{base}/{format_size(self.memory)}"
 
     @property
     def label(self) -> str:
@@ -63,6 +76,27 @@ class Device:
 
     def __str__(self) -> str:
         return self.spec
+
+
+def format_size(n: int) -> str:
+    """``1610612736`` -> ``"1.5GiB"``; ``1000`` -> ``"1000B"``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and (n * 1000) % size == 0:
+            return f"{n / size:g}{unit}"
+    return f"{n}B"
+
+
+def parse_size(text: str) -> int:
+    """``"1536MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"500000000"`` -> bytes.
+
+    Raises:
+        ValueError: naming what was received and what is allowed.
+    """
+    match = _SIZE.match(str(text).strip().lower())
+    if not match or match["unit"] not in _UNITS or float(match["number"]) <= 0:
+        raise ValueError(f"A memory size is a positive number with an optional unit: B, KB, MB, GB, TB (powers of "
+                         f"1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 'cpu:0/1536MiB'. Received: {text!r}")
+    return int(float(match["number"]) * _UNITS[match["unit"]])
 
 
 def driver_gpu_count(root: str = "/proc/driver/nvidia/gpus") -> int:
@@ -120,10 +154,16 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
         raise ValueError(
             f"Unknown device {item!r}. Allowed: a GPU index (0, 'cuda:1', "
             "'gpu:1'), a CPU device ('cpu', 'cpu:0', 'cpu:1@0.5' for a device "
-            "limited to half speed), or 'auto'."
+            "limited to half speed, 'cpu:0/2GiB' for a device with 2 GiB of memory), or 'auto'."
         )
     kind = "cuda" if match["kind"] in ("cuda", "gpu") else "cpu"
     index = int(match["index"] or 0)
+    memory = None
+    if match["memory"] is not None:
+        if kind == "cuda":
+            raise ValueError(f"A memory size ('/SIZE') is only given to CPU devices: a GPU's memory is its own. "
+                             f"Received: {item!r}")
+        memory = parse_size(match["memory"])
     speed = 1.0
     if match["speed"] is not None:
         if kind == "cuda":
@@ -147,7 +187,7 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
             else f" Visible GPUs: {', '.join(f'cuda:{i}' for i in range(num_gpus))}."
         )
         raise ValueError(f"Device {item!r} does not exist.{hint}")
-    return Device(kind, index, speed)
+    return Device(kind, index, speed, memory=memory)
 
 
 def parse_devices(
@@ -234,6 +274,5 @@ def assign_cores(devices: Sequence[Device], cores: Sequence[int] | None = None, 
             block = tuple(cores[k * len(cores) // n : (k + 1) * len(cores) // n])
         else:
             block = (cores[k % len(cores)],)
-        d = out[pos]
-        out[pos] = Device(d.kind, d.index, d.speed, block)
+        out[pos] = dataclasses.replace(out[pos], cores=block)
     return out

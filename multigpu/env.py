@@ -41,6 +41,9 @@ wins, and where a variable says otherwise the run says so in one line
 * ``MULTIGPU_REJOIN``: ``1`` on a lost rank's process that the supervisor
   started again (``--max-restarts``): it joins the run at a step of ``fit``
   instead of at the start.
+* ``MULTIGPU_SHARED_ARRAYS``: the descriptors of the shared files that
+  :func:`multigpu.load_once` filled in a script's first process, in call
+  order (a JSON list), passed on to the ranks it starts.
 * ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
   (:mod:`multigpu.membership`); never set it in a real run.
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
@@ -93,6 +96,7 @@ BUCKET_MB = "MULTIGPU_BUCKET_MB"
 MIN_DEVICES = "MULTIGPU_MIN_DEVICES"
 FAULT = "MULTIGPU_FAULT"
 REJOIN = "MULTIGPU_REJOIN"
+SHARED_ARRAYS = "MULTIGPU_SHARED_ARRAYS"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

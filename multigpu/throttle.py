@@ -1,10 +1,21 @@
-"""Simulated slower devices: limit a process's CPU bandwidth with a cgroup.
+"""Simulated slower and smaller devices: limit a process's CPU bandwidth with a cgroup, its memory with a
+resource limit.
 
 ``cpu:1@0.5`` runs rank 1 at half of its cores' bandwidth.  The limit is a
 Linux cgroup CPU quota: ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` on cgroup
 v1, ``cpu.max`` on cgroup v2.  It needs write access to the cgroup tree
 (normally root).  Every group we make is named ``multigpu.<pid>`` and removed
 when the process exits.
+
+``cpu:0/2GiB`` gives rank 0 2 GiB of memory: :func:`limit_memory` sets the
+process's ``RLIMIT_DATA`` (its private writable memory: the heap and the
+anonymous mappings every large allocation gets) to what it holds at that
+moment plus 2 GiB.  An allocation beyond it fails in the allocator, so
+torch raises its own out-of-memory error (``DefaultCPUAllocator: can't
+allocate memory``), as a full GPU makes it raise ``torch.OutOfMemoryError``.
+What the process held before (the interpreter, Keras, the script's arrays)
+is not counted; shared memory (``multigpu.load_once``) and file mappings are
+not counted either.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import atexit
 import os
 from pathlib import Path
 
-__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "remove_group_of"]
+__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "private_memory", "remove_group_of"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _PERIOD_US = 10_000  # short, so a throttled process cannot run far ahead in a burst after idling
@@ -21,6 +32,52 @@ _PERIOD_US = 10_000  # short, so a throttled process cannot run far ahead in a b
 
 class QuotaError(RuntimeError):
     """The CPU quota for a simulated slower device could not be set."""
+
+
+def private_memory() -> int:
+    """Bytes of private writable memory this process holds (``VmData``: what ``RLIMIT_DATA`` counts)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # pragma: no cover - not glibc
+        return None
+
+
+def give_back_memory() -> None:
+    """Returns the allocator's free memory to the system (glibc's ``malloc_trim``), so that what a failed
+    allocation's pass held no longer counts against the limit."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def limit_memory(size: int) -> int:
+    """Lets this process hold at most ``size`` more bytes of private memory than now; returns the limit.
+
+    Blocks of 1 MiB and more are mapped on their own (glibc's ``M_MMAP_THRESHOLD``, which otherwise grows
+    with the blocks freed), so that a freed tensor's memory goes back at once, as on a GPU's allocator,
+    instead of staying in the heap where the limit still counts it.
+    """
+    import resource
+
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    limit = private_memory() + int(size)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    return limit
 
 
 def _own_cgroup_path(controller: str | None) -> str:

@@ -186,6 +186,17 @@ class LoadBalancer:
         shares = describe_shares([self.ratios[r] for r in left])
         self._log(f"measured the devices in the run: {detail} -> shares {shares}")
 
+    def lower_cap(self, rank: int, rows: int) -> None:
+        """``rank``'s device holds at most ``rows`` rows from now on (it ran out of memory above them): every
+        plan from here, the search's included, keeps within it."""
+        caps = list(self.options.caps) if self.options.caps is not None else [None] * self.world_size
+        caps[rank] = max(0, int(rows)) if caps[rank] is None else min(caps[rank], max(0, int(rows)))
+        self.options.caps = caps
+        if self.search is not None:
+            self.search.caps = caps
+            self._window = _Window()
+        self._warm.clear()
+
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
         """Rows per rank of a global batch of ``total`` rows, by the current ratios."""

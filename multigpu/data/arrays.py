@@ -15,10 +15,11 @@ __all__ = ["ArraySource"]
 
 
 def _to_floatx(a):
-    """Floats that are not ``floatx`` become ``floatx``, as Keras's array adapter does."""
+    """Floats that are not ``floatx`` become ``floatx``, as Keras's array adapter does (a memory-mapped
+    array's rows when they are taken: converting it whole would read the whole file into memory)."""
     floatx = keras.backend.floatx()
     if isinstance(a, np.ndarray):
-        if a.dtype.kind == "f" and a.dtype != np.dtype(floatx):
+        if a.dtype.kind == "f" and a.dtype != np.dtype(floatx) and not _mapped(a):
             return a.astype(floatx)
         return a
     dtype = keras.backend.standardize_dtype(a.dtype)
@@ -27,10 +28,27 @@ def _to_floatx(a):
     return a
 
 
+def _mapped(a: np.ndarray) -> bool:
+    """True for a memory-mapped array (``np.load(..., mmap_mode="r")``, ``np.memmap``) or a view of one."""
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return True
+        a = a.base if isinstance(a.base, np.ndarray) else None
+    return False
+
+
 def _take(array, index):
     """Rows ``index`` (a slice or an array of row numbers) of a NumPy array or a torch tensor, which takes a
-    NumPy index as it is (on any device)."""
-    return array[index]
+    NumPy index as it is (on any device); a memory-mapped array's rows are read (only they) and become
+    ``floatx`` here."""
+    rows = array[index]
+    if isinstance(array, np.ndarray) and _mapped(array):
+        floatx = keras.backend.floatx()
+        if rows.dtype.kind == "f" and rows.dtype != np.dtype(floatx):
+            rows = rows.astype(floatx)
+        elif isinstance(rows, np.memmap):
+            rows = np.array(rows)  # a slice of a mapped file is still the file: the step gets memory of its own
+    return rows
 
 
 class ArraySource:

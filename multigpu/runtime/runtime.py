@@ -189,6 +189,10 @@ def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
         threading.excepthook = note_thread_failure(threading.excepthook)
         backend.get().join(runtime)
         atexit.register(_leave)
+    if not runtime.device.is_cuda and runtime.device.memory is not None:
+        from multigpu.throttle import limit_memory
+
+        limit_memory(runtime.device.memory)  # after the join: the device's memory is the training's
         if found is not None and not found.knows_every_device and found.rank == 0:
             machines = found.world_size // max(1, found.local_size)
             print(f"multigpu: started by {found.name}: {found.world_size} ranks on {machines} machine(s), "
@@ -197,9 +201,16 @@ def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
 
 
 def _supervise(devices: list[Device], timeout: float) -> None:
-    from multigpu.runtime.supervisor import Supervisor
+    """Turns this process into the run's supervisor: it gives back what the script loaded before
+    ``parallelize`` by running a small supervisor program in its place (``exec``: the same pid, output and
+    exit code; arrays of :func:`multigpu.load_once` stay open for the ranks), which starts a rank per device.
+    Where ``exec`` fails, this process supervises as it is."""
+    from multigpu.runtime.supervisor import Supervisor, become_supervisor
 
     command = rerun_command()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    become_supervisor(command, devices, timeout)  # returns only where exec failed
     code = Supervisor(command, devices, timeout).run()
     sys.stdout.flush()
     sys.stderr.flush()

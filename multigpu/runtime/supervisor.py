@@ -25,6 +25,7 @@ does not train; it
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ import time
 from collections.abc import Sequence
 
 from multigpu import env, membership
+from multigpu.devices import Device
 from multigpu.failure import read_failure
 from multigpu.runtime.processes import (
     die_with_parent,
@@ -43,7 +45,7 @@ from multigpu.runtime.processes import (
     stop_processes,
 )
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "become_supervisor"]
 
 POLL = 0.05
 GRACE = 2.0  # seconds the other ranks get to end on their own after a failure
@@ -72,11 +74,13 @@ class Supervisor:
         stderr: the ranks' standard error (default: inherited; ``subprocess.STDOUT`` merges it).
         cores: CPU cores the ranks may use (default: this process's); each rank then takes its
             share of them.
+        shared_fds: the files of :func:`multigpu.load_once` this process holds for the ranks (every rank
+            inherits them; without them, the ranks load their own).
     """
 
     def __init__(self, command: list[str], devices: Sequence, timeout: float | None, *, ratios: str | None = None,
                  env_extra: dict[str, str] | None = None, stdout=None, stderr=None,
-                 cores: Sequence[int] | None = None) -> None:
+                 cores: Sequence[int] | None = None, shared_fds: Sequence[int] = ()) -> None:
         self.command = list(command)
         self.devices = list(devices)
         self.timeout = None if timeout is None else float(timeout)
@@ -84,6 +88,7 @@ class Supervisor:
         self.env_extra = dict(env_extra or {})
         self.stdout, self.stderr = stdout, stderr
         self.cores = list(cores) if cores else None
+        self.shared_fds = tuple(shared_fds)
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
         self.port: int | None = None
@@ -117,10 +122,13 @@ class Supervisor:
         child_env = env.copy()
         child_env.update(rank_environment(rank, self.devices, self.port, self.timeout, self.run_dir, self.ratios))
         child_env.update(self.env_extra)
-        fds: tuple[int, ...] = ()
+        child_env.pop(env.SHARED_ARRAYS, None)
+        fds: tuple[int, ...] = self.shared_fds
+        if fds:
+            child_env[env.SHARED_ARRAYS] = json.dumps(list(fds))
         if listener is not None:
             child_env[env.STORE_FD] = str(listener.fileno())
-            fds = (listener.fileno(),)
+            fds = (*fds, listener.fileno())
         if rejoin:
             child_env[env.REJOIN] = "1"
             child_env.pop(env.FAULT, None)
@@ -337,3 +345,42 @@ class Supervisor:
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
+
+
+# ------------------------------------------------------------------ a script's first process
+def become_supervisor(command: list[str], devices: Sequence[Device], timeout: float | None) -> None:
+    """Replaces this process (a script at its first ``parallelize``) with a small supervisor program.
+
+    ``exec`` keeps the pid, the standard streams, the environment and the
+    files of :func:`multigpu.load_once` (inheritable descriptors), and gives
+    back everything else the script held: the ranks hold its arrays, the
+    supervisor does not.  The new program runs :class:`Supervisor` and exits
+    with the run's exit code.  Returns only where ``exec`` failed.
+    """
+    from multigpu.runtime.load_once import inherited_fds
+
+    spec = {"command": list(command), "timeout": timeout, "shared_fds": list(inherited_fds()),
+            "devices": [[d.kind, d.index, d.speed, list(d.cores), d.memory] for d in devices]}
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", "multigpu.runtime.supervisor", json.dumps(spec)])
+    except OSError:
+        return
+
+
+def _device(item: list) -> Device:
+    kind, index, speed, cores, memory = item
+    return Device(kind, index, speed, tuple(cores), memory)
+
+
+def main(argv: Sequence[str]) -> int:
+    """The supervisor program :func:`become_supervisor` runs: ``python -m multigpu.runtime.supervisor SPEC``."""
+    spec = json.loads(argv[0])
+    devices = [_device(d) for d in spec["devices"]]
+    return Supervisor(spec["command"], devices, spec["timeout"], shared_fds=spec["shared_fds"]).run()
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)

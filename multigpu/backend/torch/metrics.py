@@ -170,6 +170,11 @@ class GlobalMetrics:
         """Keeps this rank's states before a step, to take the step again after a lost rank."""
         self._kept = self.vector().clone()
 
+    def restore(self) -> None:
+        """Puts this rank's states back as :meth:`keep` found them (a step taken again)."""
+        if self._kept is not None:
+            self.load(self._kept)
+
     def forget(self) -> None:
         """The metrics were reset: no rank has counted anything yet."""
         self._summed = None

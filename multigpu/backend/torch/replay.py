@@ -137,6 +137,10 @@ class ForwardReplay:
         self._refused: set[tuple] = set()
         self._checked = False
 
+    def forget(self) -> None:
+        """Drops the recorded passes and what they hold (a device ran out of memory: it needs it back)."""
+        self._graphs.clear()
+
     def __call__(self, x, y, sample_weight, *, prompt: bool = False) -> tuple[object, torch.Tensor, bool]:
         """``(y_pred, loss, recorded)`` of the training forward pass on this batch.
 

@@ -51,6 +51,7 @@ from multigpu._keras.model_parts import batch_rows, build_optimizer, optimizers_
 from multigpu.backend.steps import StepsCore
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
+from multigpu.backend.torch.memory import DeviceMemory, StepOutOfMemory
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
@@ -73,6 +74,7 @@ class TorchSteps(StepsCore):
                                  overlap=_overlap(self.comm, parallel.options.overlap),
                                  bucket_bytes=_bucket_bytes(parallel.options.bucket_mb))
         self.metrics = GlobalMetrics(model, self.comm)
+        self.memory = DeviceMemory(self.comm, self.balancer)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
         self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm,
@@ -142,11 +144,15 @@ class TorchSteps(StepsCore):
                 if logs is not None:
                     return logs  # the step was done elsewhere: this rank took its state
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            except StepOutOfMemory as short:
+                data, plan = self._after_out_of_memory(short, kept, plan)
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
     # ---------------------------------------------------------- a lost rank
     def _keep(self) -> list | None:
-        """In a run that may lose a rank: the states a step changes before its sum (kept to take it again)."""
-        if self.comm.min_devices is None:
+        """In a run that may lose a rank, or run out of memory: the states a step changes before its sum (kept
+        to take it again)."""
+        if self.comm.min_devices is None and not self.memory.bounded:
             return None
         self.metrics.keep()
         return [v.value.detach().clone() for v in self.model.non_trainable_variables]
@@ -255,13 +261,16 @@ class TorchSteps(StepsCore):
         plan, data = again
         return data, plan
 
-    def _word(self) -> list[float]:
+    def _word(self, short: int = 0) -> list[float]:
         """The sum's last word: 1 where ranks coming back wait to be taken in (in a fit they can join, on a batch
         that can be cut again for them), else 0; every rank reads the same sum, so all take them in at the same
-        step."""
+        step. Then one slot per rank: the rows this rank could not hold (``short``: it ran out of memory), 0
+        where it could."""
         waiting = (self.comm.min_devices is not None and self.comm.join_waiting()
                    and self.parallel.position.get("rejoinable", False) and self.balancer.planner.can_cut_again)
-        return [1.0 if waiting else 0.0]
+        slots = [0.0] * self.comm.world_size
+        slots[self.comm.rank] = float(short)
+        return [1.0 if waiting else 0.0, *slots]
 
     def _welcome(self):
         """Takes in the ranks coming back, before this step: a group with them, the run's position and the
@@ -311,6 +320,7 @@ class TorchSteps(StepsCore):
         finally:
             self.sync.end_step()
         self.sync.forget_kept()  # the step is done everywhere: no putting back its updates
+        self.memory.fitted(plan.sizes)
         self.timing.end(plan.local)
         if self._recorded:
             self._recorded = False
@@ -323,37 +333,66 @@ class TorchSteps(StepsCore):
         logs_local = None
         model.zero_grad()
         trainable = model.trainable_weights[:]
+        short = 0
         if local > 0 or self.sync_batchnorm:
-            if local > 0:
-                y_pred, loss, self._recorded = self.forward(x, y, sample_weight, prompt=self.balancer.searching)
-                tracker = _compat.loss_tracker(model)
-                if tracker is not None:
-                    tracker.update_state(loss, sample_weight=local)
-                if self.keras_compute_metrics:  # the logs are exactly model.metrics: update them only
-                    with self.metrics.no_results():
-                        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-                    logs_local = ALL_METRICS
-                else:
-                    with self.metrics.local_results():
-                        logs_local = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            else:  # no rows here, but the global statistics' collectives must run
-                y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
-                loss = sum(leaf.sum() for leaf in keras.tree.flatten(y_pred)) * 0.0
-            if self.sync_batchnorm:
-                loss = loss * plan.weight
-            if model.optimizer is not None:
-                loss = model.optimizer.scale_loss(loss)
-            if trainable:
-                loss.backward()
-        extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word()], "train")
+            try:
+                logs_local = self._forward_backward(x, y, sample_weight, plan, trainable)
+            except Exception as exc:  # noqa: BLE001 - only an allocation that failed is taken
+                if not self.memory.is_out_of_memory(exc):
+                    raise
+                short = local  # this rank goes on to the sum with no gradients and says it ran out
+            if short:
+                logs_local, local = None, 0
+                model.zero_grad()
+                self.forward.forget()
+                self.memory.release()
+        extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word(short)], "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         grads, summed = self.sync.sum([v.value.grad for v in trainable], trainable, extras)
+        self.memory.check(summed[-self.comm.world_size:])  # a rank ran out of memory: no rank applies the step
         if trainable:
             membership.at("update", self.comm.rank)
             with torch.no_grad():
                 type(model.optimizer).apply(model.optimizer, grads, trainable)  # Keras's own apply
         return self._finish(summed, "train")
+
+    def _forward_backward(self, x, y, sample_weight, plan, trainable):
+        """This rank's forward and backward passes of a training step; returns its local logs."""
+        model = self.model
+        logs_local = None
+        if plan.local > 0:
+            y_pred, loss, self._recorded = self.forward(x, y, sample_weight, prompt=self.balancer.searching)
+            tracker = _compat.loss_tracker(model)
+            if tracker is not None:
+                tracker.update_state(loss, sample_weight=plan.local)
+            if self.keras_compute_metrics:  # the logs are exactly model.metrics: update them only
+                with self.metrics.no_results():
+                    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                logs_local = ALL_METRICS
+            else:
+                with self.metrics.local_results():
+                    logs_local = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        else:  # no rows here, but the global statistics' collectives must run
+            y_pred = model(x, training=True) if _compat.call_has_training_arg(model) else model(x)
+            loss = sum(leaf.sum() for leaf in keras.tree.flatten(y_pred)) * 0.0
+        if self.sync_batchnorm:
+            loss = loss * plan.weight
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+        if trainable:
+            loss.backward()
+        return logs_local
+
+    def _after_out_of_memory(self, short: StepOutOfMemory, kept: list | None, plan):
+        """A rank ran out of memory in this step (no rank applied it): every state the forward passes changed
+        put back, the caps of the ranks that ran out lowered to what fits, and the same global batch cut again
+        by them: ``(this rank's new rows, new plan)``."""
+        with torch.no_grad():
+            for v, value in zip(self.model.non_trainable_variables, kept or ()):
+                v.value.copy_(value)
+        self.metrics.restore()
+        return self.memory.cut_again(short, plan)
 
     def _see_optimizers(self) -> None:
         """Each optimizer, the first time it is seen: its ``apply`` sums for a step of the model's own (the
@@ -387,13 +426,14 @@ class TorchSteps(StepsCore):
     def _finish(self, summed: list[float], phase: str, n_timing: int | None = None, adopt: dict | None = None):
         """The global logs; a training step's timing slots (and the last word) read (``adopt``: another
         rank's shares, for a step this rank finishes with that rank's sum: :meth:`_catch_up`)."""
-        n_timing = self.timing.size + 1 if n_timing is None else n_timing
+        word = 1 + self.comm.world_size
+        n_timing = self.timing.size + word if n_timing is None else n_timing
         if phase == "train" and self.comm.min_devices is not None:
             self._last_train = (list(summed), n_timing)
         logs, timing = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
-            self._welcome_due = timing[-1] > 0
-            timing = timing[:-1]
+            self._welcome_due = timing[-word] > 0
+            timing = timing[:-word]
             rec = StepRecord.from_vector(timing, self.comm.world_size, complete=True, members=self.comm.members)
             if adopt is None:
                 self.balancer.record(rec)

@@ -1,0 +1,33 @@
+"""The training script of bench_host.py: a user's script that loads its features at the top.
+
+    python _script.py DIR MODE DEVICES   (MODE: plain, mmap or load_once; DEVICES: cpu:0,cpu:1)
+"""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import multigpu  # noqa: E402
+
+folder, mode, devices = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+x_path, y_path = os.path.join(folder, "x.npy"), os.path.join(folder, "y.npy")
+if mode == "plain":
+    x, y = np.load(x_path), np.load(y_path)
+elif mode == "mmap":
+    x, y = np.load(x_path, mmap_mode="r"), np.load(y_path, mmap_mode="r")
+elif mode == "load_once":
+    x, y = multigpu.load_once(lambda: (np.load(x_path), np.load(y_path)))
+else:
+    raise SystemExit(f"unknown mode {mode!r}: plain, mmap or load_once")
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10)])
+model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+if len(devices) > 1:
+    model = multigpu.parallelize(model, devices=devices, ratios=[1] * len(devices))
+model.fit(x, y, batch_size=2048, epochs=1, verbose=0)

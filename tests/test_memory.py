@@ -1,0 +1,100 @@
+"""Host memory: the data once per machine (``multigpu.load_once``), a supervisor that gives back what the script
+loaded, and memory-mapped arrays read a batch's rows at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import numpy as np
+import pytest
+
+from multigpu.runtime import load_once as once
+from tests.conftest import SCRIPTS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_structure_round_trips_through_one_shared_file():
+    """Arrays in any nesting of tuples, lists and dicts come back read-only and equal; other values as they were."""
+    value = {"a": np.arange(10, dtype=np.int16), "b": [np.ones((3, 2), np.float64), ("text", 7)],
+             "c": (np.zeros(0, np.float32), {"d": np.array([b"xy", b"z"])})}
+    fd = once._write(value)
+    try:
+        got = once._read(fd)
+    finally:
+        os.close(fd)
+    assert got["b"][1] == ("text", 7)
+    np.testing.assert_array_equal(got["a"], value["a"])
+    np.testing.assert_array_equal(got["b"][0], value["b"][0])
+    assert got["c"][0].shape == (0,) and got["c"][1]["d"].tolist() == [b"xy", b"z"]
+    assert not got["a"].flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        got["a"][0] = 1
+
+
+def test_bad_input_is_refused_with_what_was_received():
+    with pytest.raises(TypeError, match="Received: 'x.npy' of type str"):
+        once.load_once("x.npy")
+    with pytest.raises(TypeError, match="Python objects"):
+        once._write({"x": np.array([{}, []], dtype=object)})
+
+
+def test_plain_script_loads_once_and_the_supervisor_gives_its_memory_back(runner, tmp_path):
+    """Under ``python train.py`` the script's first process loads, becomes a small supervisor (same pid) and
+    the ranks map its file; training on the shared arrays equals one device."""
+    counter, out = tmp_path / "counter", tmp_path / "out.json"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = runner.start([sys.executable, str(SCRIPTS / "load_once.py"), str(counter), str(out)])
+    result = runner.finish(proc, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    seen = json.loads(out.read_text())
+    assert counter.read_text().split() == [str(proc.pid)]  # loaded once, in the first process
+    assert seen["supervisor"] == proc.pid  # the supervisor kept the script's pid
+    assert seen["supervisor_rss_kb"] < 120_000, seen  # it no longer holds Keras, torch nor the script's data
+    assert seen["error"] < 1e-6 and not seen["writeable"] and seen["other"] == ["a label", 3]
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert runner.leftovers() == []
+
+
+def test_outside_launcher_loads_once_per_machine(runner, tmp_path):
+    """Under a launcher's variables (torchrun's), local rank 0 loads and hands the file to the other ranks."""
+    counter, out = tmp_path / "counter", tmp_path / "out"
+    port = _free_port()
+    procs = [runner.start([sys.executable, str(SCRIPTS / "load_once.py"), str(counter), str(out), "--no-fit"],
+                          {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(3)]
+    results = [runner.finish(p, timeout=60) for p in procs]
+    assert all(r.returncode == 0 for r in results), [r.stdout[-2000:] for r in results]
+    assert counter.read_text().split() == [str(procs[0].pid)]
+    seen = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
+    assert len({s["sum"] for s in seen}) == 1 and not any(s["writeable"] for s in seen)
+    assert all(s["other"] == ["a label", 3] for s in seen)
+    assert runner.leftovers() == []
+
+
+def test_memory_mapped_rows_become_floatx_a_batch_at_a_time(tmp_path):
+    """A float64 memory-mapped array is not converted whole: each batch's rows are read and converted."""
+    import keras
+
+    from multigpu.data.arrays import ArraySource
+    from multigpu.planning.plan import StepPlanner
+
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(40, dtype=np.float64).reshape(20, 2))
+    x = np.load(path, mmap_mode="r")
+    source = ArraySource(x, None, None, batch_size=8, shuffle=True, seed=3)
+    assert source.parts[0] is x  # kept mapped
+    source.set_epoch(0)
+    planner = StepPlanner(lambda total: [total], 0)
+    batches = list(source.batches(lambda rows, again: planner.plan(rows, for_step=False, again=again)))
+    rows = np.concatenate([b[0] if isinstance(b, tuple) else b for b in batches])
+    assert all((b[0] if isinstance(b, tuple) else b).dtype == keras.backend.floatx() for b in batches)
+    assert not any(isinstance(b[0] if isinstance(b, tuple) else b, np.memmap) for b in batches)
+    np.testing.assert_array_equal(np.sort(rows[:, 0]), np.arange(0, 40, 2, dtype=np.float32))
