@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.installed-tf
 DEMO_BACKEND := $(or $(KERAS_BACKEND),torch)
 export KERAS_BACKEND := torch
 
-.PHONY: demo test test-examples test-outside test-launchers lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
+.PHONY: demo test gpu-check test-examples test-outside test-launchers lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
 
 # What `make demo` needs, and nothing else: torch's CPU build, multigpu (Keras with it) and matplotlib for the
 # chart. The CPU build of torch first: an unpinned `torch` can pull a CUDA build of several GB.
@@ -51,6 +51,13 @@ lint: $(STAMP)
 test: $(TEST_STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/test_examples.py \
 		-m "not outside"
+
+# Every check that needs a GPU, on a machine with one and a CUDA build of torch (and Keras) in GPU_PYTHON:
+# the CUDA path (a GPU rank beside a CPU rank, exact), and a real CUDA out-of-memory error taken again within a
+# lowered cap. Nothing else depends on a GPU. About 3 minutes on one H100.
+GPU_PYTHON ?= python3
+gpu-check:
+	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py
 
 # Slow outside checks kept out of `make test`'s 15 minutes: keras-hub's tasks on JAX, the CLI's bench with its
 # DDP baselines and its sweep, and the second backend, ratio or mode of a few paths (tests/conftest.py's OUTSIDE

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 from multigpu import env
 
-__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "format_size", "parse_devices", "parse_size",
-           "usable_cores"]
+__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "format_size", "parse_devices",
+           "parse_size", "usable_cores"]
 
-_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@/]+))?(?:/(?P<memory>[^@/]+))?$")
+_SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@/]+))?"
+                   r"(?:/(?P<memory>[^@/]+))?$")
 _SIZE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?i?b?)$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}

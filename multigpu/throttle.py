@@ -24,7 +24,8 @@ import atexit
 import os
 from pathlib import Path
 
-__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "private_memory", "remove_group_of"]
+__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "private_memory",
+           "remove_group_of"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _PERIOD_US = 10_000  # short, so a throttled process cannot run far ahead in a burst after idling

@@ -78,3 +78,17 @@ def test_each_rank_computes_on_its_own_device(runner):
     assert res.returncode == 0, res.stdout
     assert "rank 0 on cuda" in res.stdout and "rank 1 on cpu" in res.stdout, res.stdout
     assert runner.leftovers() == []
+
+
+def test_a_real_cuda_out_of_memory_is_cut_again_and_stays_exact(runner, tmp_path):
+    """The GPU rank's allocator held to 160 MiB and given 90% of a global batch of 16384, then 32768: torch
+    raises its OutOfMemoryError, every rank leaves the step, the GPU's cap is lowered and the step taken again;
+    the weights equal one device's (the CPU rank's reference) to float32 rounding across processors."""
+    out = tmp_path / "out.json"
+    result = runner.script("memory_caps.py", "cuda:0,cpu:0", "9:1", str(out), "--batch", "16384",
+                           "--gpu-mib", "160", timeout=280, extra_env=F32)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "out of memory on GPU:0 at" in result.stdout, result.stdout[-3000:]
+    import json
+
+    assert json.loads(out.read_text())["error"] < TOLERANCE["sgd"]

@@ -40,7 +40,7 @@ def test_structure_round_trips_through_one_shared_file():
 
 
 def test_bad_input_is_refused_with_what_was_received():
-    with pytest.raises(TypeError, match="Received: 'x.npy' of type str"):
+    with pytest.raises(TypeError, match=r"Received: 'x\.npy' of type str"):
         once.load_once("x.npy")
     with pytest.raises(TypeError, match="Python objects"):
         once._write({"x": np.array([{}, []], dtype=object)})
@@ -98,3 +98,37 @@ def test_memory_mapped_rows_become_floatx_a_batch_at_a_time(tmp_path):
     assert all((b[0] if isinstance(b, tuple) else b).dtype == keras.backend.floatx() for b in batches)
     assert not any(isinstance(b[0] if isinstance(b, tuple) else b, np.memmap) for b in batches)
     np.testing.assert_array_equal(np.sort(rows[:, 0]), np.arange(0, 40, 2, dtype=np.float32))
+
+
+def test_device_memory_sizes_parse_and_bad_ones_say_what_is_allowed():
+    from multigpu.devices import parse_devices
+
+    devices = parse_devices(["cpu:0/1536MiB", "cpu:1@0.5/2GiB", "cpu:2"])
+    assert [d.memory for d in devices] == [1536 << 20, 2 << 30, None]
+    assert [d.spec for d in devices] == ["cpu:0/1.5GiB", "cpu:1@0.5/2GiB", "cpu:2"]
+    assert parse_devices(",".join(d.spec for d in devices)) == devices
+    with pytest.raises(ValueError, match="Received: 'lots'"):
+        parse_devices(["cpu:0/lots"])
+    with pytest.raises(ValueError, match="only given to CPU devices"):
+        parse_devices(["cuda:0/2GiB"], num_gpus=1)
+
+
+def test_a_fast_device_with_little_memory_gets_only_what_fits_and_stays_exact(runner, tmp_path):
+    """``cpu:0/32MiB`` (fast, small) beside ``cpu:1@0.5`` (slow, unbounded), automatic shares from a fresh profile,
+    batch 256 then 512: CPU:0 runs out of memory inside torch's allocator, no rank hangs, its cap is lowered and
+    the step taken again; the weights equal one device's."""
+    out = tmp_path / "out.json"
+    result = runner.script("memory_caps.py", "cpu:0/32MiB,cpu:1@0.5", "auto", str(out), timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "out of memory on CPU:0 at" in result.stdout and "holds at most" in result.stdout, result.stdout[-3000:]
+    assert json.loads(out.read_text())["error"] < 1e-5
+    assert runner.leftovers() == []
+
+
+def test_a_global_batch_no_device_set_can_hold_ends_the_run_naming_the_caps(runner, tmp_path):
+    result = runner.script("memory_caps.py", "cpu:0/24MiB,cpu:1/24MiB", "1:1", str(tmp_path / "out.json"),
+                           "--batch", "2048", timeout=240)
+    assert result.returncode != 0
+    assert "cannot hold a global batch of 2048 rows together (CPU:0 at most" in result.stdout, result.stdout[-3000:]
+    assert "the largest global batch that fits is" in result.stdout
+    assert runner.leftovers() == []

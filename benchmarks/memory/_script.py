@@ -8,10 +8,10 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import multigpu  # noqa: E402
+import multigpu
 
 folder, mode, devices = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 x_path, y_path = os.path.join(folder, "x.npy"), os.path.join(folder, "y.npy")

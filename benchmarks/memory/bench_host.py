@@ -67,7 +67,7 @@ def peak_pss(command: list[str], interval: float = 0.1) -> tuple[float, float, i
 
 def leftovers(shm_before: set[str], marker: str) -> list[str]:
     left = [f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before]
-    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True, check=False).stdout.split()
     return left + [f"process {p}" for p in out if int(p) != os.getpid()]
 
 

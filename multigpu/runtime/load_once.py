@@ -179,7 +179,7 @@ def _serve(fd: int, address: bytes, peers: int, timeout: float) -> None:
         for _ in range(peers):
             try:
                 conn, _ = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError(f"multigpu.load_once: local rank 0 waited {timeout:g} s for the other "
                                    f"{peers} rank(s) of this machine to call load_once; every rank must make the "
                                    "same load_once calls in the same order.") from None

@@ -11,9 +11,9 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import multigpu  # noqa: E402
+import multigpu
 
 parser = argparse.ArgumentParser()
 parser.add_argument("counter")
@@ -50,7 +50,7 @@ model = multigpu.parallelize(model, devices=args.devices.split(","), ratios=[3, 
 model.fit(data["x"], data["y"][0], batch_size=32, epochs=2, shuffle=False, verbose=0)
 if multigpu.rank() == 0:
     with open(f"/proc/{os.getppid()}/status") as f:
-        supervisor_rss = [int(line.split()[1]) for line in f if line.startswith("VmRSS:")][0]
+        supervisor_rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     reference = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                                   keras.layers.Dense(1)])
     reference.compile(keras.optimizers.SGD(0.05), "mse")

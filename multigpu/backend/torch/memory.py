@@ -20,10 +20,10 @@ import torch
 from multigpu import failure
 from multigpu.throttle import give_back_memory
 
-__all__ = ["DeviceMemory", "StepOutOfMemory"]
+__all__ = ["DeviceMemory", "OutOfMemoryStepError"]
 
 
-class StepOutOfMemory(Exception):
+class OutOfMemoryStepError(Exception):
     """Raised on every rank after a sum in which a rank said it ran out of memory.
 
     Attributes:
@@ -77,12 +77,12 @@ class DeviceMemory:
         self.largest = [max(a, int(b)) for a, b in zip(self.largest, sizes)]
 
     def check(self, slots: list[float]) -> None:
-        """Raises :class:`StepOutOfMemory` when a rank said (in the sum's last slots) it ran out of memory."""
-        rows = [int(round(v)) for v in slots]
+        """Raises :class:`OutOfMemoryStepError` when a rank said (in the sum's last slots) it ran out of memory."""
+        rows = [round(v) for v in slots]
         if any(rows):
-            raise StepOutOfMemory(rows)
+            raise OutOfMemoryStepError(rows)
 
-    def cut_again(self, short: StepOutOfMemory, plan):
+    def cut_again(self, short: OutOfMemoryStepError, plan):
         """Lowers the caps of the ranks that ran out and cuts the same global batch again by them: ``(this
         rank's rows, new plan)``; ends the run when the devices cannot hold the global batch together."""
         began = time.perf_counter()

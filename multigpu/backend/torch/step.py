@@ -51,7 +51,7 @@ from multigpu._keras.model_parts import batch_rows, build_optimizer, optimizers_
 from multigpu.backend.steps import StepsCore
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
-from multigpu.backend.torch.memory import DeviceMemory, StepOutOfMemory
+from multigpu.backend.torch.memory import DeviceMemory, OutOfMemoryStepError
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
@@ -144,7 +144,7 @@ class TorchSteps(StepsCore):
                 if logs is not None:
                     return logs  # the step was done elsewhere: this rank took its state
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            except StepOutOfMemory as short:
+            except OutOfMemoryStepError as short:
                 data, plan = self._after_out_of_memory(short, kept, plan)
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
@@ -337,7 +337,7 @@ class TorchSteps(StepsCore):
         if local > 0 or self.sync_batchnorm:
             try:
                 logs_local = self._forward_backward(x, y, sample_weight, plan, trainable)
-            except Exception as exc:  # noqa: BLE001 - only an allocation that failed is taken
+            except Exception as exc:
                 if not self.memory.is_out_of_memory(exc):
                     raise
                 short = local  # this rank goes on to the sum with no gradients and says it ran out
@@ -384,7 +384,7 @@ class TorchSteps(StepsCore):
             loss.backward()
         return logs_local
 
-    def _after_out_of_memory(self, short: StepOutOfMemory, kept: list | None, plan):
+    def _after_out_of_memory(self, short: OutOfMemoryStepError, kept: list | None, plan):
         """A rank ran out of memory in this step (no rank applied it): every state the forward passes changed
         put back, the caps of the ranks that ran out lowered to what fits, and the same global batch cut again
         by them: ``(this rank's new rows, new plan)``."""
@@ -445,7 +445,15 @@ class TorchSteps(StepsCore):
         def solo() -> tuple[float, float]:
             if plan.local == 0 or self.user_train_step is not None:
                 return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
-            return self._solo_rate(x, y, sample_weight)
+            try:
+                return self._solo_rate(x, y, sample_weight)
+            except Exception as exc:
+                if not self.memory.is_out_of_memory(exc):
+                    raise
+            self.model.zero_grad()  # this device cannot hold its rows: the step that follows finds its cap
+            self.forward.forget()
+            self.memory.release()
+            return 0.0, 0.0
 
         self._calibrate(solo)
 

@@ -1,0 +1,58 @@
+"""A fast device with little memory beside a slow one with plenty: automatic shares at batch B, then 2B.
+
+    python memory_caps.py DEVICES RATIOS OUT [--batch B [--gpu-mib M]]
+
+``--gpu-mib M`` holds a GPU rank's torch allocator to M MiB (``torch.cuda.set_per_process_memory_fraction``):
+a real CUDA out-of-memory error.
+
+The last rank (not bounded) trains one device on the same batches and writes the largest difference of the
+weights, relative to their scale, to OUT.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import numpy as np
+
+import multigpu
+
+devices, ratios, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+batch = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--batch" else 256
+gpu_mib = float(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] == "--gpu-mib" else None
+rng = np.random.default_rng(0)
+rows = max(2048, 4 * batch)
+x = rng.standard_normal((rows, 64)).astype(np.float32)
+y = rng.integers(0, 10, rows)
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024, activation="tanh"),
+                              keras.layers.Dense(1024, activation="tanh"), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+model = build()
+initial = model.get_weights()
+model = multigpu.parallelize(model, devices=devices, ratios="auto" if ratios == "auto" else
+                             [float(v) for v in ratios.split(":")])
+if gpu_mib is not None and os.environ.get("KERAS_TORCH_DEVICE", "").startswith("cuda"):
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(gpu_mib * 2**20 / torch.cuda.get_device_properties(0).total_memory)
+model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+model.fit(x, y, batch_size=2 * batch, epochs=2, shuffle=False, verbose=0)
+if multigpu.rank() == multigpu.world_size() - 1:
+    reference = build()
+    reference.set_weights(initial)
+    reference.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=2 * batch, epochs=2, shuffle=False, verbose=0)
+    error = max(float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+                for a, b in zip(model.get_weights(), reference.get_weights()))
+    with open(out, "w") as f:
+        json.dump({"error": error}, f)
