@@ -38,7 +38,9 @@ def build():
 
 
 model = build()
-initial = model.get_weights()
+# The same first weights on every rank and processor (a GPU's random numbers are not a CPU's).
+initial = [np.random.default_rng(1).standard_normal(w.shape).astype(np.float32) * 0.05 for w in model.get_weights()]
+model.set_weights(initial)
 model = multigpu.parallelize(model, devices=devices, ratios="auto" if ratios == "auto" else
                              [float(v) for v in ratios.split(":")])
 if gpu_mib is not None and os.environ.get("KERAS_TORCH_DEVICE", "").startswith("cuda"):
