@@ -38,6 +38,8 @@ of its ``N``-th sum as if its collective had failed, which is what a ring
 collective broken midway by a lost peer leaves (the sum reached some ranks
 and not others, so some applied the step and others did not); with a rank
 killed at the same step it makes the survivors disagree on the steps done.
+``RANK:forward/oom[:N]`` kills nothing either: rank ``RANK``'s ``N``-th
+training step raises ``MemoryError`` in its forward pass, as a full device.
 """
 
 from __future__ import annotations
@@ -255,7 +257,7 @@ def await_welcome(run_dir: str, generation: int) -> None:
 # ------------------------------------------------------------------ fault injection
 _PLAN: dict[str, tuple[int, str]] | None = None  # this rank's points -> (nth time, "kill", "stop" or "drop")
 _COUNTS: dict[str, int] = {}
-_MODES = {"stop": POINTS, "drop": ("sum",)}  # POINT/MODE: the points each mode applies to
+_MODES = {"stop": POINTS, "drop": ("sum",), "oom": ("forward",)}  # POINT/MODE: the points each mode applies to
 
 
 def _plan(rank: int) -> dict[str, tuple[int, str]]:
@@ -268,8 +270,8 @@ def _plan(rank: int) -> dict[str, tuple[int, str]]:
             if (len(parts) not in (2, 3) or point not in POINTS or not parts[0].isdigit()
                     or (mode and point not in _MODES.get(mode, ())) or not (len(parts) == 2 or parts[2].isdigit())):
                 raise ValueError(f"{env.FAULT} takes RANK:POINT[:N] entries, POINT one of {', '.join(POINTS)} "
-                                 "(with /stop to stop the rank instead of killing it, and sum/drop to throw away "
-                                 f"the result of a sum). Received: {entry!r}")
+                                 "(with /stop to stop the rank instead of killing it, sum/drop to throw away "
+                                 f"the result of a sum, forward/oom to run out of memory). Received: {entry!r}")
             if int(parts[0]) == rank:
                 _PLAN[parts[1]] = (int(parts[2]) if len(parts) == 3 else 1, mode or "kill")
     return _PLAN
@@ -293,6 +295,11 @@ def at(point: str, rank: int) -> None:
         planned = _due(f"{point}/stop", rank)
     if planned is not None:
         os.kill(os.getpid(), signal.SIGSTOP if planned[1] == "stop" else signal.SIGKILL)
+
+
+def out_of_memory(rank: int) -> bool:
+    """Whether ``MULTIGPU_FAULT`` says this rank's training step runs out of memory now (``RANK:forward/oom``)."""
+    return _due("forward/oom", rank) is not None
 
 
 def dropped(point: str, rank: int) -> bool:

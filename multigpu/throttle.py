@@ -24,8 +24,8 @@ import atexit
 import os
 from pathlib import Path
 
-__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "private_memory",
-           "remove_group_of"]
+__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "memory_limit",
+           "private_memory", "remove_group_of", "reset_peak_memory", "resident_memory"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _PERIOD_US = 10_000  # short, so a throttled process cannot run far ahead in a burst after idling
@@ -35,12 +35,38 @@ class QuotaError(RuntimeError):
     """The CPU quota for a simulated slower device could not be set."""
 
 
-def private_memory() -> int:
-    """Bytes of private writable memory this process holds (``VmData``: what ``RLIMIT_DATA`` counts)."""
+def _status(field: str) -> int:
+    """A size in bytes from ``/proc/self/status`` (0 where it is not there)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmData:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def private_memory() -> int:
+    """Bytes of private writable memory this process holds (``VmData``: what ``RLIMIT_DATA`` counts)."""
+    return _status("VmData")
+
+
+def memory_limit() -> int | None:
+    """The ``RLIMIT_DATA`` this process runs under, in bytes (None: none)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def resident_memory() -> tuple[int, int]:
+    """``(resident bytes now, the peak since the last reset_peak_memory)`` of this process."""
+    return _status("VmRSS"), _status("VmHWM")
+
+
+def reset_peak_memory() -> None:
+    """Starts the peak of :func:`resident_memory` again from now (Linux's ``clear_refs``)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # pragma: no cover - an old kernel: the peak since the start stays an upper bound
+        pass
 
 
 def _libc():

@@ -21,7 +21,7 @@ def test_import_sets_nothing(runner):
     )
     res = runner.run([sys.executable, "-c", code], extra_env={"KERAS_BACKEND": ""})
     assert res.returncode == 0, res.stdout
-    assert ("['RankError', 'launch', 'list_devices', 'multi_gpu_model', 'parallelize', 'rank', 'state', "
+    assert ("['RankError', 'launch', 'list_devices', 'load_once', 'multi_gpu_model', 'parallelize', 'rank', 'state', "
             "'unparallelize', 'world_size']" in res.stdout)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 
@@ -114,19 +115,47 @@ def test_device_memory_sizes_parse_and_bad_ones_say_what_is_allowed():
 
 
 def test_a_fast_device_with_little_memory_gets_only_what_fits_and_stays_exact(runner, tmp_path):
-    """``cpu:0/32MiB`` (fast, small) beside ``cpu:1@0.5`` (slow, unbounded), automatic shares from a fresh profile,
-    batch 256 then 512: CPU:0 runs out of memory inside torch's allocator, no rank hangs, its cap is lowered and
-    the step taken again; the weights equal one device's."""
+    """``cpu:0/64MiB`` (fast, small) beside ``cpu:1@0.5`` (slow, unbounded), automatic shares from a fresh profile,
+    batch 512 then 1024: CPU:0's memory per row is measured, its cap keeps the plans within it (its speed share
+    would give it more), no step runs out of memory, and the weights equal one device's."""
     out = tmp_path / "out.json"
-    result = runner.script("memory_caps.py", "cpu:0/32MiB,cpu:1@0.5", "auto", str(out), timeout=240)
+    result = runner.script("memory_caps.py", "cpu:0/64MiB,cpu:1@0.5", "auto", str(out), "--batch", "512",
+                           timeout=240)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "out of memory on CPU:0 at" in result.stdout and "holds at most" in result.stdout, result.stdout[-3000:]
+    assert "multigpu: CPU:0 holds at most" in result.stdout, result.stdout[-3000:]
+    assert "out of memory" not in result.stdout, result.stdout[-3000:]
     assert json.loads(out.read_text())["error"] < 1e-5
     assert runner.leftovers() == []
 
 
+def test_an_out_of_memory_step_is_taken_again_within_seconds_and_stays_exact(runner, tmp_path):
+    """An out-of-memory error injected in rank 0's fifth step: no rank hangs or applies it, CPU:0's cap is
+    lowered, the same global batch is cut again and taken again; the weights equal one device's."""
+    out = tmp_path / "out.json"
+    result = runner.script("memory_caps.py", "cpu:0,cpu:1@0.5", "auto", str(out), "--batch", "512", timeout=240,
+                           extra_env={"MULTIGPU_FAULT": "0:forward/oom:5"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    found = re.search(r"out of memory on CPU:0 at (\d+) rows: CPU:0 holds at most (\d+) rows; the step again with "
+                      r"rows CPU:0 (\d+), CPU:1@0.5 (\d+) of 512 \(([\d.]+) s after the error\)", result.stdout)
+    assert found, result.stdout[-3000:]
+    assert int(found[3]) <= int(found[2]) < int(found[1]) and int(found[3]) + int(found[4]) == 512
+    assert float(found[5]) < 5.0
+    assert json.loads(out.read_text())["error"] < 1e-5
+    assert runner.leftovers() == []
+
+
+def test_fixed_ratios_a_device_cannot_hold_end_the_run_naming_the_share_that_fits(runner, tmp_path):
+    result = runner.script("memory_caps.py", "cpu:0/48MiB,cpu:1", "9:1", str(tmp_path / "out.json"),
+                           "--batch", "1024", timeout=240)
+    assert result.returncode != 0
+    assert re.search(r"CPU:0 \(48MiB given\) ran out of memory with \d+ rows of a global batch of 1024, its part "
+                     r"of the fixed ratios 9:1; it holds about \d+ rows", result.stdout), result.stdout[-3000:]
+    assert "ratios='auto'" in result.stdout
+    assert runner.leftovers() == []
+
+
 def test_a_global_batch_no_device_set_can_hold_ends_the_run_naming_the_caps(runner, tmp_path):
-    result = runner.script("memory_caps.py", "cpu:0/24MiB,cpu:1/24MiB", "1:1", str(tmp_path / "out.json"),
+    result = runner.script("memory_caps.py", "cpu:0/24MiB,cpu:1/24MiB", "auto", str(tmp_path / "out.json"),
                            "--batch", "2048", timeout=240)
     assert result.returncode != 0
     assert "cannot hold a global batch of 2048 rows together (CPU:0 at most" in result.stdout, result.stdout[-3000:]

@@ -106,6 +106,11 @@ class LoadBalancer:
         self.rank = rank
         self.world_size = len(devices)
         self.options = options
+        # Caps of the devices' memory: given (max_batch), measured (the memory per row), and from an
+        # out-of-memory error (rows it could not hold); the plans keep within the smallest.
+        self._caps: dict[str, list[int | None]] = {
+            "given": list(options.caps) if options.caps is not None else [None] * len(devices),
+            "measured": [None] * len(devices), "ran_out": [None] * len(devices)}
         self._log = log
         self.log = log  # the run's log (rank 0 prints it), for the steps' own lines
         fixed = options.spec.values if options.spec.kind == "fixed" else None
@@ -189,13 +194,31 @@ class LoadBalancer:
     def lower_cap(self, rank: int, rows: int) -> None:
         """``rank``'s device holds at most ``rows`` rows from now on (it ran out of memory above them): every
         plan from here, the search's included, keeps within it."""
-        caps = list(self.options.caps) if self.options.caps is not None else [None] * self.world_size
-        caps[rank] = max(0, int(rows)) if caps[rank] is None else min(caps[rank], max(0, int(rows)))
-        self.options.caps = caps
+        old = self._caps["ran_out"][rank]
+        self._caps["ran_out"][rank] = max(0, int(rows)) if old is None else min(old, max(0, int(rows)))
+        self._apply_caps()
+
+    def measured_cap(self, rank: int, rows: int) -> bool:
+        """``rank``'s device holds about ``rows`` rows, by its measured memory per row; returns whether the plans
+        of the current global batch change (the cap now binds there)."""
+        if self._caps["measured"][rank] == int(rows):
+            return False
+        before = self.shares(self.batch_size) if self.batch_size else None
+        self._caps["measured"][rank] = int(rows)
+        self._apply_caps()
+        return bool(self.batch_size) and self.shares(self.batch_size) != before
+
+    def cap_of(self, rank: int) -> int | None:
+        """The largest local batch ``rank``'s device is planned (None: no cap)."""
+        return None if self.options.caps is None else self.options.caps[rank]
+
+    def _apply_caps(self) -> None:
+        caps = [None if all(c is None for c in cs) else min(c for c in cs if c is not None)
+                for cs in zip(*self._caps.values())]
+        self.options.caps = None if all(c is None for c in caps) else caps
         if self.search is not None:
-            self.search.caps = caps
+            self.search.caps = self.options.caps
             self._window = _Window()
-        self._warm.clear()
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:

@@ -266,7 +266,7 @@ def load_once(fn: Callable, *args, **kwargs):
         found = None
     if found is None:  # the script's first process: load, and keep the file for the ranks it will start
         fd = _write(fn(*args, **kwargs))
-        os.environ[env.SHARED_ARRAYS] = json.dumps([*inherited, fd])
+        env.put(env.SHARED_ARRAYS, json.dumps([*inherited, fd]))
         return _read(fd)
     address = _address(found, call)
     if found.local_size <= 1:

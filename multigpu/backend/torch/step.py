@@ -261,16 +261,14 @@ class TorchSteps(StepsCore):
         plan, data = again
         return data, plan
 
-    def _word(self, short: int = 0) -> list[float]:
+    def _word(self, short: int = 0, cap: int = 0) -> list[float]:
         """The sum's last word: 1 where ranks coming back wait to be taken in (in a fit they can join, on a batch
         that can be cut again for them), else 0; every rank reads the same sum, so all take them in at the same
-        step. Then one slot per rank: the rows this rank could not hold (``short``: it ran out of memory), 0
-        where it could."""
+        step. Then two slots per rank (:meth:`DeviceMemory.slots`): the rows it could not hold (``short``: it
+        ran out of memory), and the largest local batch its memory holds, as measured in this step (``cap``)."""
         waiting = (self.comm.min_devices is not None and self.comm.join_waiting()
                    and self.parallel.position.get("rejoinable", False) and self.balancer.planner.can_cut_again)
-        slots = [0.0] * self.comm.world_size
-        slots[self.comm.rank] = float(short)
-        return [1.0 if waiting else 0.0, *slots]
+        return [1.0 if waiting else 0.0, *self.memory.slots(short, cap)]
 
     def _welcome(self):
         """Takes in the ranks coming back, before this step: a group with them, the run's position and the
@@ -333,10 +331,14 @@ class TorchSteps(StepsCore):
         logs_local = None
         model.zero_grad()
         trainable = model.trainable_weights[:]
-        short = 0
+        short = cap = 0
         if local > 0 or self.sync_batchnorm:
             try:
+                self.memory.begin(local)
+                if membership.out_of_memory(self.comm.rank):
+                    raise MemoryError("out of memory (MULTIGPU_FAULT forward/oom, a testing aid)")
                 logs_local = self._forward_backward(x, y, sample_weight, plan, trainable)
+                cap = self.memory.end(local)
             except Exception as exc:
                 if not self.memory.is_out_of_memory(exc):
                     raise
@@ -346,11 +348,11 @@ class TorchSteps(StepsCore):
                 model.zero_grad()
                 self.forward.forget()
                 self.memory.release()
-        extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word(short)], "train")
+        extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word(short, cap)], "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         grads, summed = self.sync.sum([v.value.grad for v in trainable], trainable, extras)
-        self.memory.check(summed[-self.comm.world_size:])  # a rank ran out of memory: no rank applies the step
+        self.memory.read(summed[-2 * self.comm.world_size:])  # new caps; a rank that ran out: none applies it
         if trainable:
             membership.at("update", self.comm.rank)
             with torch.no_grad():
@@ -426,7 +428,7 @@ class TorchSteps(StepsCore):
     def _finish(self, summed: list[float], phase: str, n_timing: int | None = None, adopt: dict | None = None):
         """The global logs; a training step's timing slots (and the last word) read (``adopt``: another
         rank's shares, for a step this rank finishes with that rank's sum: :meth:`_catch_up`)."""
-        word = 1 + self.comm.world_size
+        word = 1 + 2 * self.comm.world_size
         n_timing = self.timing.size + word if n_timing is None else n_timing
         if phase == "train" and self.comm.min_devices is not None:
             self._last_train = (list(summed), n_timing)
