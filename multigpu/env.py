@@ -113,11 +113,6 @@ def copy() -> dict[str, str]:
     return dict(os.environ)
 
 
-def put(name: str, value: str) -> None:
-    """Sets ``name`` to ``value`` in this process's environment (and so in the processes it starts)."""
-    os.environ[name] = value
-
-
 def set_default(name: str, value: str) -> str:
     """Sets ``name`` to ``value`` where it is unset; returns what it holds."""
     return os.environ.setdefault(name, value)

@@ -56,9 +56,10 @@ def memory_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def resident_memory() -> tuple[int, int]:
-    """``(resident bytes now, the peak since the last reset_peak_memory)`` of this process."""
-    return _status("VmRSS"), _status("VmHWM")
+def resident_memory() -> tuple[int, int, int]:
+    """``(resident bytes now, the peak since the last reset_peak_memory, resident bytes of files and shared
+    memory now)`` of this process: the peak less the growth of the last is what its allocations took."""
+    return _status("VmRSS"), _status("VmHWM"), _status("RssFile") + _status("RssShmem")
 
 
 def reset_peak_memory() -> None:

@@ -242,7 +242,8 @@ class LoadBalancer:
     def describe(self) -> str:
         """One line naming the devices and their current shares."""
         total = sum(self.ratios)
-        parts = [f"{d.label} {r / total:.0%}" for d, r in zip(self.devices, self.ratios)]
+        parts = [f"{d.label} {r / total:.0%}" + ("" if self.cap_of(i) is None else f" (at most {self.cap_of(i)} rows)")
+                 for i, (d, r) in enumerate(zip(self.devices, self.ratios))]
         return f"multigpu: {self.world_size} device(s): " + ", ".join(parts)
 
     # ------------------------------------------------------------- the run
@@ -395,6 +396,7 @@ class LoadBalancer:
                 "sum": min(e["sum"], max(0.0, step - compute)),
                 "samples_per_second": samples / wall if wall else 0.0,
                 "compute_samples_per_second": samples / compute if compute else 0.0,
+                "largest_batch": self.cap_of(r),
             })
         self.last_report = {"epoch": epoch, "devices": rows}
         self._epoch = self._empty_epoch()

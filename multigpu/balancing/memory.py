@@ -7,7 +7,9 @@ allocation of a device's first steps at each local batch size (the backend
 measures: torch's CUDA allocator statistics, the process's peak resident
 memory on a CPU device given a size) and turns the memory left into a cap.
 
-One observation gives an upper bound of the memory per row (its fixed part
+A local batch size's first steps are not measured: they fill the kernels'
+caches and record the forward pass (:mod:`multigpu.backend.torch.replay`),
+which takes more than a step.  One observation gives an upper bound of the memory per row (its fixed part
 counted as rows), so a cap from it is safe; two sizes or more separate the
 fixed part by a least-squares line.  :data:`MARGIN` of the memory left stays
 free: allocators round sizes up and fragment (benchmarks/memory/README.md).
@@ -20,7 +22,8 @@ import math
 __all__ = ["MARGIN", "RowMemory"]
 
 MARGIN = 0.15  # of the memory left, never planned
-MEASURED_STEPS = 2  # steps measured at each local batch size
+SKIPPED_STEPS = 2  # the first steps at a local batch size, not measured: they warm caches and record passes
+MEASURED_STEPS = 2  # steps measured at each local batch size, after those
 
 
 class RowMemory:
@@ -31,8 +34,12 @@ class RowMemory:
         self._seen: dict[int, int] = {}
 
     def due(self, rows: int) -> bool:
-        """Whether a step at ``rows`` rows is measured (the first few at each size)."""
-        return rows > 0 and self._seen.get(rows, 0) < MEASURED_STEPS
+        """Whether a step at ``rows`` rows is measured (a few at each size, after its first ones)."""
+        seen = self._seen.get(rows, 0)
+        if seen < SKIPPED_STEPS:
+            self._seen[rows] = seen + 1
+            return False
+        return rows > 0 and seen < SKIPPED_STEPS + MEASURED_STEPS
 
     def add(self, rows: int, extra: float) -> None:
         """A step at ``rows`` rows took ``extra`` bytes above what the device held before it."""

@@ -148,11 +148,13 @@ def format_report(report: dict) -> str:
     the time between steps (Keras's loop, callbacks), ``compute`` the step
     without collectives, ``sum`` the time the gradient sum itself took (the
     wait of the device that reached it last: the link), ``waiting`` the rest
-    of the time in collectives (waiting for a slower device).
+    of the time in collectives (waiting for a slower device), ``max rows`` the
+    largest local batch a device is planned (its memory's cap), where any has one.
     """
+    capped = any(row.get("largest_batch") is not None for row in report["devices"])
     lines = [f"multigpu: where the time went in epoch {report['epoch'] + 1}:",
              f"  {'device':<12}{'share':>7}{'input':>7}{'loop':>7}{'compute':>9}{'sum':>6}{'waiting':>9}"
-             f"{'samples/s':>11}"]
+             f"{'samples/s':>11}" + (f"{'max rows':>10}" if capped else "")]
     for row in report["devices"]:
         total = row["data"] + row["compute"] + row["wait"] or 1.0
         waited = row.get("input", 0.0)
@@ -161,5 +163,6 @@ def format_report(report: dict) -> str:
             f"  {row['device']:<12}{row['share']:>7.0%}{waited / total:>7.0%}{(row['data'] - waited) / total:>7.0%}"
             f"{row['compute'] / total:>9.0%}{summed / total:>6.0%}{(row['wait'] - summed) / total:>9.0%}"
             f"{row['samples_per_second']:>11.1f}"
+            + (f"{row.get('largest_batch') if row.get('largest_batch') is not None else '-':>10}" if capped else "")
         )
     return "\n".join(lines)

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     total = sum(speeds) or 1.0
     ratios = [s / total for s in speeds]
     if args.json:
-        print(json.dumps({"devices": results, "ratios": ratios, "largest_batch": caps}, indent=2))
+        print(json.dumps({"devices": results, "ratios": ratios, "largest_batch": caps,
+                          "largest_global_batch": sum(caps)}, indent=2))
     else:
         for dev, res in zip(devices, results):
             print(f"{dev.label}")
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print("largest batch that fits: " + ", ".join(
             f"{d.label} {c if c < sizes[-1] or not all(r['fits'] for r in res['rows']) else f'>= {c}'}"
             for d, c, res in zip(devices, caps, results)))
+        together = sum(caps)
+        bounded = all(c < sizes[-1] or not all(r["fits"] for r in res["rows"]) for c, res in zip(caps, results))
+        print(f"largest global batch the devices hold together: {together if bounded else f'>= {together}'}")
         print("suggested ratios: " + ", ".join(f"{r:.3f}" for r in ratios)
               + "   (pass as ratios=[...] or let ratios='auto' read the profile)")
     path = args.profile or default_profile_path()

@@ -94,7 +94,8 @@ class DeviceMemory:
             if limit is None:
                 return
             reset_peak_memory()
-            held = resident_memory()[0]
+            now, _, files = resident_memory()
+            held = now - files  # the file-backed pages a step first touches are not its allocations
             left = limit - private_memory()
         self._base = (held, left)
 
@@ -105,7 +106,11 @@ class DeviceMemory:
         held, left = self._base
         self._base = None
         device = self.comm.device
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_memory()[1]
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            _, peak, files = resident_memory()
+            peak -= files
         self.rows.add(rows, peak - held)
         self.available = left
         cap = self.rows.cap(left)
