@@ -12,7 +12,9 @@ caches and record the forward pass (:mod:`multigpu.backend.torch.replay`),
 which takes more than a step.  One observation gives an upper bound of the memory per row (its fixed part
 counted as rows), so a cap from it is safe; two sizes or more separate the
 fixed part by a least-squares line.  :data:`MARGIN` of the memory left stays
-free: allocators round sizes up and fragment (benchmarks/memory/README.md).
+free: allocators round sizes up and fragment.  It is small because running
+out costs one step taken again (:mod:`multigpu.backend.torch.memory`), while
+every row left unplanned costs every step (benchmarks/memory/README.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import math
 
 __all__ = ["MARGIN", "RowMemory"]
 
-MARGIN = 0.15  # of the memory left, never planned
+MARGIN = 0.05  # of the memory left, never planned
 SKIPPED_STEPS = 2  # the first steps at a local batch size, not measured: they warm caches and record passes
 MEASURED_STEPS = 2  # steps measured at each local batch size, after those
 

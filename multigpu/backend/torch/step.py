@@ -77,8 +77,11 @@ class TorchSteps(StepsCore):
         self.memory = DeviceMemory(self.comm, self.balancer)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
+        # A device of bounded memory keeps the recorded passes of two local batch sizes, not eight: each holds
+        # memory the rows need (a CPU device given 44 MiB had 8 MiB of them, 80 rows of its batch).
         self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm,
-                                     replay=parallel.options.replay is not False)
+                                     replay=parallel.options.replay is not False,
+                                     max_graphs=2 if self.memory.measured_here else 8)
         cls = type(model)
         self.user_predict_step = own_method(cls, "predict_step")
         self.keras_test_step = keras.Model.test_step.__get__(model)
