@@ -13,10 +13,10 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import multigpu  # noqa: E402
+import multigpu
 
 devices, ratios, batch, epochs, out = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
     sys.argv[5]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -68,7 +69,7 @@ def main() -> None:
                     extra = f"  ({len(caps)} cap line(s); last: {caps[-1][10:110] if caps else '-'})"
                 print(f"round {k + 1} {config:>6}: {got['samples_per_second']:7.0f} samples/s, shares {shares}{extra}",
                       flush=True)
-    medians = {c: statistics.median(v) for c, v in rates.items() if v and all(r == r for r in v)}
+    medians = {c: statistics.median(v) for c, v in rates.items() if v and not any(math.isnan(r) for r in v)}
     best = max((c for c in medians if c != "auto"), key=medians.get, default=None)
     print(f"devices {devices}, batch {args.batch} then {2 * args.batch}, medians of {args.rounds} rounds:")
     for c, v in medians.items():
