@@ -51,6 +51,11 @@ OUTSIDE = {
     "test_launchers.py::test_mpirun_runs_two_processes_as_one_run_equal_to_one_device[jax]": "mpirun on torch stays",
     "test_launch.py::test_an_exception_on_a_rank_ends_the_run_naming_it[1-fit-python]":
         "the exception at parallelize under multigpu run stays",
+    "test_tfdata.py::test_tf_data_pipelines_reproduce_one_device[torch-3,1]": "tf.data at 1:2:5 stays",
+    "test_reliability.py::test_interrupting_the_launching_process_stops_every_rank[15-python]":
+        "SIGINT to multigpu run stays",
+    "test_memory.py::test_a_global_batch_no_device_set_can_hold_ends_the_run_naming_the_caps":
+        "the fixed ratios a device cannot hold, the same step's other ending, stays",
     "test_notebook.py::test_a_killed_kernel_leaves_no_process_behind": "the stop button and a rank's error stay",
 }
 

@@ -81,7 +81,7 @@ def test_a_broken_profile_warns_and_falls_back_to_calibrating(tmp_path):
 def test_records_move_the_shares_to_the_fastest_measured_and_log_each_move():
     b, lines = make("1,1")
     b.options.auto = True
-    b.begin_fit(128, lambda: "sig")
+    b.begin_fit(128, lambda: "sig", steps_per_epoch=100)  # two epochs for the search from 1:1, uncalibrated
     feed(b, (200, 100), 200)
     assert abs(b.shares(128)[0] - 85) <= 3, b.shares(128)
     kept = [line for line in lines if line.endswith(", kept")]
@@ -257,3 +257,28 @@ def test_the_report_tells_the_gradient_sum_from_waiting_for_a_slower_device_and_
     compressed.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.3, 0.5), (64, 64)))
     compressed.end_epoch(0)
     assert not any("the link holds the run back" in ln for ln in said)  # already compressed: nothing to suggest
+
+
+def test_the_search_settles_within_two_epochs_or_40_steps_and_a_later_fit_keeps_its_shares():
+    """On devices whose windows never agree, the search still stops moving: after two epochs (or 40 steps,
+    whichever is longer) it settles on the shares kept so far, and a later fit at another batch size starts
+    settled at them (no scan, no probe), watching the throughput like any settled shares."""
+    b, lines = make("1,1")
+    b.options.auto = True
+    b.begin_fit(128, lambda: "sig", steps_per_epoch=16)
+    speeds = [(200, 100), (120, 160)]  # the devices swap speeds every few steps: noise the search cannot settle
+    steps = 0
+    while not b.search.settled:
+        feed(b, speeds[(steps // 4) % 2], 1)
+        steps += 1
+        assert steps <= 60, lines
+    assert steps >= 40 and b._search_windows >= 12
+    assert any(f"after {steps} steps the search stops moving" in line for line in lines), lines
+    kept = list(b.search.base)
+    assert b.ratios == pytest.approx(kept)
+    b.begin_fit(256, lambda: "sig", steps_per_epoch=8)
+    assert b.search.batch_size == 256 and b.search.settled and b.search.phase == "settled"
+    before = len(lines)
+    feed(b, (200, 100), 30, batch=256)
+    assert b.ratios == pytest.approx(kept)
+    assert not any("scanning" in line or "kept" in line for line in lines[before:]), lines[before:]

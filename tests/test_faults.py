@@ -192,8 +192,14 @@ def test_a_fault_plan_names_what_is_allowed(monkeypatch):
     assert membership._PLAN == {}
     monkeypatch.setattr(membership, "_PLAN", None)
     monkeypatch.setenv("MULTIGPU_FAULT", "1:forward/drop")  # only a sum's result can be thrown away
-    with pytest.raises(ValueError, match=r"sum/drop to throw away the result of a sum\). Received: '1:forward/drop'"):
+    with pytest.raises(ValueError, match=r"sum/drop to throw away the result of a sum, forward/oom to run out of "
+                                         r"memory\). Received: '1:forward/drop'"):
         membership.dropped("forward", 1)
+    monkeypatch.setattr(membership, "_PLAN", None)
+    monkeypatch.setattr(membership, "_COUNTS", {})
+    monkeypatch.setenv("MULTIGPU_FAULT", "0:forward/oom:2")
+    assert [membership.out_of_memory(0) for _ in range(3)] == [False, True, False]
+    assert not membership.out_of_memory(1)
     monkeypatch.setattr(membership, "_PLAN", None)
     monkeypatch.setattr(membership, "_COUNTS", {})
     monkeypatch.setenv("MULTIGPU_FAULT", "1:sum/drop:2")

@@ -49,8 +49,8 @@ class Advice:
             self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
                       f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}{end}")
         elif e.kind == "settle":
-            self._log(f"shares settled at {describe_shares(e.after)} ({e.throughput_before:.0f} samples/s): "
-                      f"{e.reason}")
+            rate = f" ({e.throughput_before:.0f} samples/s)" if e.throughput_before else ""
+            self._log(f"shares settled at {describe_shares(e.after)}{rate}: {e.reason}")
         elif e.kind == "restart":
             self._log(f"searching shares again: {e.reason} ({e.throughput_after:.0f} samples/s, "
                       f"{e.throughput_before:.0f} before)")

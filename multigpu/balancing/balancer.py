@@ -35,6 +35,11 @@ __all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
 
 WINDOW_SECONDS = 1.5
 WINDOW_STEPS = 3
+# The search settles by the end of the first two epochs, and never before this many steps: every move is a
+# window at worse shares and new local batch sizes, and on a noisy machine a search that goes on keeps
+# probing (issue 54: windows at one share spread as much as the moves they judge).
+SETTLE_STEPS = 40
+SETTLE_WINDOWS = 12  # nor before this many windows were judged (a window lasts 3 steps and 1.5 s at least)
 @dataclass
 class BalanceOptions:
     """What the user asked of the balancer (see ``parallelize``).
@@ -131,6 +136,9 @@ class LoadBalancer:
         self.lost: list[int] = []  # ranks lost during the run: their share is 0 from then on
         self._remeasure = False  # automatic shares after a loss: measure the devices left once
         self._before_loss: dict[int, float] = {}  # a lost rank's ratio when it was lost
+        self._settle_by = SETTLE_STEPS  # steps of a search after which it settles
+        self._search_steps = 0  # training steps since the search started
+        self._search_windows = 0  # windows the search has judged since it started
 
     def ratios_with(self, ranks: Sequence[int]) -> list[float]:
         """The ratios with lost ``ranks`` back: fixed ratios as given, automatic ones as they were at the loss."""
@@ -247,11 +255,14 @@ class LoadBalancer:
         return f"multigpu: {self.world_size} device(s): " + ", ".join(parts)
 
     # ------------------------------------------------------------- the run
-    def begin_fit(self, batch_size: int | None, signature: Callable[[], str]) -> None:
+    def begin_fit(self, batch_size: int | None, signature: Callable[[], str],
+                  steps_per_epoch: int | None = None) -> None:
         """Called when ``fit`` starts: the nominal global batch, and the profile if asked for."""
         if batch_size:
             self.shares(batch_size)  # a batch no cap allows fails here, on every rank
         self.batch_size = batch_size or self.batch_size
+        if steps_per_epoch:
+            self._settle_by = max(SETTLE_STEPS, 2 * int(steps_per_epoch))
         self._signature = signature
         if not self.calibrated and not self.options.recalibrate:
             self._from_profile()
@@ -307,11 +318,15 @@ class LoadBalancer:
         if not (self.options.rebalance and self.calibrated and self.batch_size and self.world_size > 1) or self.lost:
             return
         if self.search is None or self.search.batch_size != self.batch_size:
+            settled = self.search is not None and self.search.settled
             self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
                                       first_step=max(0.04, self.quantum / self.batch_size),
                                       min_step=self.quantum / self.batch_size, quantum=self.quantum,
                                       scan=ShareSearch.scan if self.options.scan else ())
+            if settled:  # a new batch size in a later fit: the shares found stay, watched as settled ones
+                self.search.settle_as_found()
             self._window = _Window()
+            self._search_steps = self._search_windows = 0
 
     # ------------------------------------------------------------- records
     def record(self, rec: StepRecord | None) -> None:
@@ -353,6 +368,17 @@ class LoadBalancer:
     def _search_on(self, rec: StepRecord) -> None:
         if self.search is None or self.batch_size is None:
             return
+        self._search_steps += 1
+        if (not self.search.settled and self._search_steps >= self._settle_by
+                and self._search_windows >= SETTLE_WINDOWS):
+            before = list(self.ratios)
+            for event in self.search.time_up(self._search_steps):
+                self.events.append(event)
+                self.advice.event(event)
+            self.ratios = list(self.search.ratios)
+            self._changed = self._changed or self.ratios != before
+            self._window = _Window()
+            return
         if list(rec.samples) != self.search.shares():
             self._window = _Window()  # a ragged step, or one run at other shares
             return
@@ -368,6 +394,7 @@ class LoadBalancer:
             return
         self._window = _Window()
         window = Window(tuple(self.search.ratios), w.samples, w.seconds, tuple(w.compute), tuple(w.local))
+        self._search_windows += 1
         before = list(self.ratios)
         events = self.search.observe(window)
         self.speeds = window.speeds() or self.speeds

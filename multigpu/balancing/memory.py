@@ -23,7 +23,7 @@ import math
 
 __all__ = ["MARGIN", "RowMemory"]
 
-MARGIN = 0.05  # of the memory left, never planned
+MARGIN = 0.10  # of the memory left, never planned
 SKIPPED_STEPS = 2  # the first steps at a local batch size, not measured: they warm caches and record passes
 MEASURED_STEPS = 2  # steps measured at each local batch size, after those
 

@@ -379,10 +379,30 @@ class ShareSearch:
             return [undo, *self._settle(f"{self._undone} moves in a row did not pay")]
         return [undo]
 
+    def time_up(self, steps: int) -> list[Event]:
+        """Settles now (the run's steps for the search are spent): a move being measured is undone, and the
+        shares kept so far stay, watched like any settled shares."""
+        undone = ""
+        if self._trial is not None:
+            self._trial = None
+            self._trial_runs = []
+            self.ratios = self.base
+            undone = ", the move it was measuring undone"
+        self._scan_queue, self._scanned = [], []
+        return self._settle(f"after {steps} steps the search stops moving{undone}")
+
+    def settle_as_found(self) -> None:
+        """Starts settled at the given shares (found by an earlier search at another batch size): no scan, no
+        probe; watched from the first windows on."""
+        self.settled = True
+        self._scan_opened = True
+        self._reference = 0.0
+        self._watched = []
+
     def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
         self.settled = True
         self._reference = self._base_throughput()
-        self._watched = [self._reference]
+        self._watched = [self._reference] if self._reference > 0 else []
         self._alarms = 0
         self._undone = 0
         return [Event("settle", tuple(self.ratios), tuple(self.ratios), self._reference, 0.0, why)]
@@ -391,6 +411,9 @@ class ShareSearch:
         """Settled: no probe until the throughput at the kept shares falls beyond its noise, ``alarms`` windows
         in a row (a device slowed down, the machine's load changed); then the search starts again, saying why."""
         t = self.tuning
+        if not self._watched:  # settled from the start: the first window is the reference
+            self._watched, self._reference = [throughput], throughput
+            return []
         fall = max(t.drop, t.drop_noise * self.noise())
         dropped = throughput < self._reference * (1 - fall)
         self._alarms = self._alarms + 1 if dropped else 0

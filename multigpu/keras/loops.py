@@ -147,7 +147,7 @@ class Loops:
                 vx, vy, vsw = validation_data, None, None
             val = self._data(vx, vy, vsw, validation_batch_size or batch_size, False, seed, "validation",
                              training=False, checked=back is None)
-        p.balancer.begin_fit(train.batch_size, p.signature)
+        p.balancer.begin_fit(train.batch_size, p.signature, steps_per_epoch or train.num_batches)
         if back:
             p.balancer.rejoined(back["ratios"], back["out"])
             train.resume_at(back["epoch"], back["step"])

@@ -24,7 +24,7 @@ devices, ratios, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 batch = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--batch" else 256
 gpu_mib = float(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] == "--gpu-mib" else None
 rng = np.random.default_rng(0)
-rows = max(2048, 4 * batch)
+rows = max(8192, 4 * batch)
 x = rng.standard_normal((rows, 64)).astype(np.float32)
 y = rng.integers(0, 10, rows)
 

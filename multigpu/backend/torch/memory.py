@@ -53,6 +53,7 @@ class OutOfMemoryStepError(Exception):
 
 
 _MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory")
+SHRINK = 0.9  # a device that ran out at N rows is planned at most 0.9 N (or the most it has held below N)
 
 
 class DeviceMemory:
@@ -182,7 +183,7 @@ class DeviceMemory:
         for r, rows in enumerate(short.rows):
             if rows:
                 held = self.largest[r] if self.largest[r] < rows else 0
-                fits = max(held, int(rows * 0.8)) if rows > 1 else 0
+                fits = max(held, int(rows * SHRINK)) if rows > 1 else 0
                 if not self.balancer.options.auto:
                     self._fixed_ratios_do_not_fit(r, rows, fits, plan)
                 self.balancer.lower_cap(r, fits)
