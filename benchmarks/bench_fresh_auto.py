@@ -52,6 +52,8 @@ def run(ratios: str, epochs: int, steps: int, batch: int, timeout: float = 900) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--auto-runs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, interleaved, and compare medians (issue 54: 3)")
     p.add_argument("--fixed", nargs="*", default=["2,1", "2.5,1", "3,1"], help="fixed ratios of the grid")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--steps", type=int, default=16, help="steps per epoch")
@@ -68,11 +70,14 @@ def main() -> int:
     runs: dict[str, list[dict]] = {}
     # Interleaved: auto, then a fixed configuration, so that a drift of the machine touches both alike.
     schedule = []
-    for i in range(max(a.auto_runs, len(order))):
-        if i < a.auto_runs:
-            schedule.append("auto")
-        if i < len(order):
-            schedule.append(order[i])
+    if a.rounds > 1:  # every configuration once a round, auto first
+        schedule = ["auto", *order] * a.rounds
+    else:
+        for i in range(max(a.auto_runs, len(order))):
+            if i < a.auto_runs:
+                schedule.append("auto")
+            if i < len(order):
+                schedule.append(order[i])
     for config in schedule:
         r = run(config, a.epochs, a.steps, a.batch)
         runs.setdefault(config, []).append(r)
@@ -84,7 +89,18 @@ def main() -> int:
                 log("    " + line)
     fixed = {c: statistics.median(r["samples_per_second"] for r in runs[c]) for c in a.fixed}
     best = max(fixed, key=fixed.get) if fixed else None
-    equal = runs["equal"][0]["samples_per_second"]
+    equal = statistics.median(r["samples_per_second"] for r in runs["equal"])
+    if a.rounds > 1:
+        for config, rs in runs.items():
+            rates = [r["samples_per_second"] for r in rs]
+            spread = (max(rates) - min(rates)) / statistics.median(rates)
+            stalls = ", ".join(f"{r['max_over_median']:.2f}" for r in rs)
+            log(f"{config:>6}: median {statistics.median(rates):6.1f} samples/s, runs "
+                f"{', '.join(f'{v:.0f}' for v in rates)}, spread {spread:.0%}, "
+                f"largest last-epoch step over its median {stalls}")
+        auto = statistics.median(r["samples_per_second"] for r in runs["auto"])
+        log(f"medians of {a.rounds} rounds: automatic {auto:.1f} = {auto / fixed[best]:.3f}x the best fixed ({best}: "
+            f"{fixed[best]:.1f}), {auto / equal:.2f}x equal ({equal:.1f})")
     summary = []
     for i, r in enumerate(runs.get("auto", [])):
         s = r["samples_per_second"]
