@@ -54,7 +54,7 @@ test: $(TEST_STAMP) lint
 
 # Every check that needs a GPU, on a machine with one and a CUDA build of torch (and Keras) in GPU_PYTHON:
 # the CUDA path (a GPU rank beside a CPU rank, exact), and a real CUDA out-of-memory error taken again within a
-# lowered cap. Nothing else depends on a GPU. About 3 minutes on one H100.
+# lowered cap. Nothing else depends on a GPU. 2 min 36 s on one H100 (4 tests).
 GPU_PYTHON ?= python3
 gpu-check:
 	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py
