@@ -54,6 +54,10 @@ OUTSIDE = {
     "test_tfdata.py::test_tf_data_pipelines_reproduce_one_device[torch-3,1]": "tf.data at 1:2:5 stays",
     "test_reliability.py::test_interrupting_the_launching_process_stops_every_rank[15-python]":
         "SIGINT to multigpu run stays",
+    "test_notebook.py::test_the_stop_button_stops_every_rank_and_raises_keyboard_interrupt":
+        "a rank's error in the kernel, and SIGINT to a run (test_reliability.py), stay",
+    "test_applications.py::test_mobilenet_v3_small_reproduces_one_device_at_1_2_5":
+        "keras-hub's tasks built from a config (test_hub.py) stay as the outside models",
     "test_memory.py::test_a_global_batch_no_device_set_can_hold_ends_the_run_naming_the_caps":
         "the fixed ratios a device cannot hold, the same step's other ending, stays",
     "test_notebook.py::test_a_killed_kernel_leaves_no_process_behind": "the stop button and a rank's error stay",

@@ -361,8 +361,14 @@ def become_supervisor(command: list[str], devices: Sequence[Device], timeout: fl
 
     spec = {"command": list(command), "timeout": timeout, "shared_fds": list(inherited_fds()),
             "devices": [[d.kind, d.index, d.speed, list(d.cores), d.memory] for d in devices]}
+    # The program imports multigpu from where this process did (a checkout on sys.path, not installed, too); the
+    # ranks get the environment as it was.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    environ = env.copy()
+    spec["pythonpath"] = environ.get("PYTHONPATH")
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, environ.get("PYTHONPATH", "")) if p)
     try:
-        os.execv(sys.executable, [sys.executable, "-m", "multigpu.runtime.supervisor", json.dumps(spec)])
+        os.execve(sys.executable, [sys.executable, "-m", "multigpu.runtime.supervisor", json.dumps(spec)], environ)
     except OSError:
         return
 
@@ -375,6 +381,10 @@ def _device(item: list) -> Device:
 def main(argv: Sequence[str]) -> int:
     """The supervisor program :func:`become_supervisor` runs: ``python -m multigpu.runtime.supervisor SPEC``."""
     spec = json.loads(argv[0])
+    if spec.get("pythonpath") is None:
+        env.pop("PYTHONPATH")
+    else:
+        env.put("PYTHONPATH", spec["pythonpath"])
     devices = [_device(d) for d in spec["devices"]]
     return Supervisor(spec["command"], devices, spec["timeout"], shared_fds=spec["shared_fds"]).run()
 
