@@ -97,8 +97,6 @@ def main() -> None:
         results: dict[tuple[str, int], float] = {}
         for mode in args.modes:
             for n in [1, *args.devices]:
-                if n == 1 and mode != args.modes[0] and ("plain", 1) in results:
-                    pass
                 devices = ",".join(f"cpu:{i}" for i in range(n))
                 mb, secs, code = peak_pss([sys.executable, script, folder, mode, devices])
                 results[(mode, n)] = mb

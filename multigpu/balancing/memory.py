@@ -9,8 +9,9 @@ memory on a CPU device given a size) and turns the memory left into a cap.
 
 A local batch size's first steps are not measured: they fill the kernels'
 caches and record the forward pass (:mod:`multigpu.backend.torch.replay`),
-which takes more than a step.  One observation gives an upper bound of the memory per row (its fixed part
-counted as rows), so a cap from it is safe; two sizes or more separate the
+which takes more than a step.  One observation gives an upper bound of the
+memory per row (its fixed part counted as rows), so a cap from it is safe
+where the measurement reads what the limit counts; two sizes or more separate the
 fixed part by a least-squares line.  :data:`MARGIN` of the memory left stays
 free: allocators round sizes up and fragment.  It is small because running
 out costs one step taken again (:mod:`multigpu.backend.torch.memory`), while

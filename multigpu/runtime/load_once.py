@@ -59,50 +59,53 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _plan(value, arrays: list, offset: list[int]):
-    """``value`` with every NumPy array replaced by its :class:`_Slot` (the arrays appended to ``arrays``)."""
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise TypeError(f"load_once shares arrays of numbers, strings and bytes; this array has dtype "
-                            f"{value.dtype} (Python objects), which cannot live in shared memory. Received an "
-                            f"array of shape {value.shape}.")
-        slot = _Slot(value.dtype.str if value.dtype.fields is None else value.dtype.descr, value.shape, offset[0])
-        arrays.append((slot, value))
-        offset[0] = _align(offset[0] + value.nbytes)
-        return slot
+def _map(value, kind: type, fn: Callable):
+    """``value`` (any nesting of tuples, named tuples, lists and dicts) with each leaf of type ``kind`` replaced
+    by ``fn(leaf)``; other leaves as they are."""
+    if isinstance(value, kind):
+        return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_plan(v, arrays, offset) for v in value))
+        return type(value)(*(_map(v, kind, fn) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_plan(v, arrays, offset) for v in value)
+        return type(value)(_map(v, kind, fn) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _plan(v, arrays, offset)) for k, v in value.items())
+        return type(value)((k, _map(v, kind, fn)) for k, v in value.items())
     return value
+
+
+def _plan(value, arrays: list):
+    """``value`` with every NumPy array replaced by its :class:`_Slot` (``(slot, array)`` appended to ``arrays``)."""
+    def slot_of(array: np.ndarray) -> _Slot:
+        if array.dtype.hasobject:
+            raise TypeError(f"load_once shares arrays of numbers, strings and bytes; this array has dtype "
+                            f"{array.dtype} (Python objects), which cannot live in shared memory. Received an "
+                            f"array of shape {array.shape}.")
+        offset = _align(arrays[-1][0].offset + arrays[-1][1].nbytes) if arrays else 0
+        slot = _Slot(array.dtype.str if array.dtype.fields is None else array.dtype.descr, array.shape, offset)
+        arrays.append((slot, array))
+        return slot
+
+    return _map(value, np.ndarray, slot_of)
 
 
 def _views(value, buffer: mmap.mmap, base: int):
     """The structure of :func:`_plan` with each slot replaced by a read-only view of the file."""
-    if isinstance(value, _Slot):
-        dtype = np.dtype(value.dtype if isinstance(value.dtype, str) else [tuple(f) for f in value.dtype])
-        count = int(np.prod(value.shape, dtype=np.int64))
-        array = np.frombuffer(buffer, dtype=dtype, count=count, offset=base + value.offset).reshape(value.shape)
-        return array
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_views(v, buffer, base) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_views(v, buffer, base) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _views(v, buffer, base)) for k, v in value.items())
-    return value
+    def view(slot: _Slot) -> np.ndarray:
+        dtype = np.dtype(slot.dtype if isinstance(slot.dtype, str) else [tuple(f) for f in slot.dtype])
+        count = int(np.prod(slot.shape, dtype=np.int64))
+        return np.frombuffer(buffer, dtype=dtype, count=count, offset=base + slot.offset).reshape(slot.shape)
+
+    return _map(value, _Slot, view)
 
 
 def _write(result) -> int:
     """A new anonymous shared file holding ``result``; returns its descriptor (inheritable)."""
     arrays: list = []
-    offset = [0]
-    layout = _plan(result, arrays, offset)
+    layout = _plan(result, arrays)
     header = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
     base = _align(8 + len(header))
-    size = max(base + offset[0], 1)
+    end = arrays[-1][0].offset + arrays[-1][1].nbytes if arrays else 0
+    size = max(base + end, 1)
     fd = os.memfd_create("multigpu-load-once", 0)
     try:
         os.ftruncate(fd, size)
@@ -159,7 +162,7 @@ def _address(found: environments.Environment, call: int) -> bytes:
     run = "|".join(str(x) for x in (found.master_addr, found.master_port, env.get(env.RUN_DIR, ""),
                                    env.get("TORCHELASTIC_RUN_ID", ""), env.get("TORCHELASTIC_RESTART_COUNT", ""),
                                    env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")))
-    return f"\0multigpu-load-once-{zlib.crc32(run.encode()):08x}-{found.master_port}-{call}".encode()
+    return f"\0multigpu-load-once-{zlib.crc32(run.encode()):08x}-{call}".encode()
 
 
 def _timeout() -> float:

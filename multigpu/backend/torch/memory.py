@@ -1,7 +1,8 @@
 """Device memory on torch: what a step needs, the largest local batch that fits, and a step that ran out.
 
 **Measured.** On a GPU, and on a CPU device given a memory size
-(``cpu:0/2GiB``), the first steps at each local batch size are measured: the
+(``cpu:0/2GiB``), a few steps at each local batch size (after its first two,
+which warm caches and record the forward pass) are measured: the
 peak allocation above what the device held before the step (torch's CUDA
 allocator statistics; the process's peak resident memory on a CPU device)
 and the memory left (the GPU's free memory and torch's unused cache; the
@@ -135,9 +136,12 @@ class DeviceMemory:
             return True
         return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _MESSAGES)
 
-    def release(self) -> None:
-        """Gives back what the failed pass held."""
+    def release(self, model, forward) -> None:
+        """Gives back what the failed pass held: ``model``'s gradients, ``forward``'s recorded passes, and what
+        the allocator keeps."""
         self._base = None
+        model.zero_grad()
+        forward.forget()
         gc.collect()
         if self.comm.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -348,9 +348,7 @@ class TorchSteps(StepsCore):
                 short = local  # this rank goes on to the sum with no gradients and says it ran out
             if short:
                 logs_local, local = None, 0
-                model.zero_grad()
-                self.forward.forget()
-                self.memory.release()
+                self.memory.release(model, self.forward)
         extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word(short, cap)], "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
@@ -455,9 +453,7 @@ class TorchSteps(StepsCore):
             except Exception as exc:
                 if not self.memory.is_out_of_memory(exc):
                     raise
-            self.model.zero_grad()  # this device cannot hold its rows: the step that follows finds its cap
-            self.forward.forget()
-            self.memory.release()
+            self.memory.release(self.model, self.forward)  # it cannot hold its rows: the step finds its cap
             return 0.0, 0.0
 
         self._calibrate(solo)
