@@ -26,14 +26,20 @@ import multigpu
 
 
 class StepEnds(keras.callbacks.Callback):
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
     def on_train_begin(self, logs=None):
         self.epochs: list[list[float]] = []
+        self.shares: list[list[int]] = []  # the shares each step planned the next one with
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epochs.append([time.perf_counter()])
 
     def on_train_batch_end(self, batch, logs=None):
         self.epochs[-1].append(time.perf_counter())
+        self.shares.append(multigpu.state(self.model).shares(self.batch))
 
 
 def main() -> None:
@@ -57,14 +63,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((a.batch * a.steps, 32, 32, 3)).astype("float32")
     y = rng.integers(0, 10, a.batch * a.steps)
-    ends = StepEnds()
+    ends = StepEnds(a.batch)
     model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=[ends])
     if multigpu.rank() == 0:
         last = ends.epochs[-1]
         Path(a.out).write_text(json.dumps({
             "ratios": a.ratios, "batch": a.batch, "steps": [list(np.diff(e)) for e in ends.epochs],
             "samples_per_second": a.batch * (len(last) - 1) / (last[-1] - last[0]),
-            "shares": multigpu.state(model).shares(a.batch)}))
+            "shares": multigpu.state(model).shares(a.batch), "shares_by_step": ends.shares}))
 
 
 if __name__ == "__main__":

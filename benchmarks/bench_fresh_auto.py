@@ -46,6 +46,11 @@ def run(ratios: str, epochs: int, steps: int, batch: int, timeout: float = 900) 
     result["log"] = [ln for ln in proc.stdout.splitlines() + proc.stderr.splitlines() if ln.startswith("multigpu:")]
     last = result["steps"][-1]
     result["max_over_median"] = max(last) / statistics.median(last)
+    tail = [t for epoch in result["steps"][-3:] for t in epoch]  # the last three epochs
+    result["tail_max_over_median"] = max(tail) / statistics.median(tail)
+    by_step = result.get("shares_by_step", [])
+    # The step after which the shares last changed (1-based; the calibration's step counts).
+    result["last_move"] = max((i + 1 for i in range(1, len(by_step)) if by_step[i] != by_step[i - 1]), default=1)
     return result
 
 
@@ -83,7 +88,8 @@ def main() -> int:
         runs.setdefault(config, []).append(r)
         series = " ".join(f"{s:.2f}" for s in r["steps"][-1])
         log(f"{config:>6}: {r['samples_per_second']:6.1f} samples/s over the last epoch, shares {r['shares']}, "
-            f"largest step {r['max_over_median']:.2f}x the median; steps (s): {series}")
+            f"largest step {r['max_over_median']:.2f}x the median (last three epochs: "
+            f"{r['tail_max_over_median']:.2f}x), last move after step {r['last_move']}; steps (s): {series}")
         if config == "auto":
             for line in r["log"]:
                 log("    " + line)
@@ -94,10 +100,11 @@ def main() -> int:
         for config, rs in runs.items():
             rates = [r["samples_per_second"] for r in rs]
             spread = (max(rates) - min(rates)) / statistics.median(rates)
-            stalls = ", ".join(f"{r['max_over_median']:.2f}" for r in rs)
+            stalls = ", ".join(f"{r['tail_max_over_median']:.2f}" for r in rs)
+            moves = ", ".join(str(r["last_move"]) for r in rs)
             log(f"{config:>6}: median {statistics.median(rates):6.1f} samples/s, runs "
                 f"{', '.join(f'{v:.0f}' for v in rates)}, spread {spread:.0%}, "
-                f"largest last-epoch step over its median {stalls}")
+                f"largest step of the last three epochs over their median {stalls}, last move after step {moves}")
         auto = statistics.median(r["samples_per_second"] for r in runs["auto"])
         log(f"medians of {a.rounds} rounds: automatic {auto:.1f} = {auto / fixed[best]:.3f}x the best fixed ({best}: "
             f"{fixed[best]:.1f}), {auto / equal:.2f}x equal ({equal:.1f})")

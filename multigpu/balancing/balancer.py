@@ -39,7 +39,6 @@ WINDOW_STEPS = 3
 # window at worse shares and new local batch sizes, and on a noisy machine a search that goes on keeps
 # probing (issue 54: windows at one share spread as much as the moves they judge).
 SETTLE_STEPS = 40
-SETTLE_WINDOWS = 12  # nor before this many windows were judged (a window lasts 3 steps and 1.5 s at least)
 @dataclass
 class BalanceOptions:
     """What the user asked of the balancer (see ``parallelize``).
@@ -137,8 +136,7 @@ class LoadBalancer:
         self._remeasure = False  # automatic shares after a loss: measure the devices left once
         self._before_loss: dict[int, float] = {}  # a lost rank's ratio when it was lost
         self._settle_by = SETTLE_STEPS  # steps of a search after which it settles
-        self._search_steps = 0  # training steps since the search started
-        self._search_windows = 0  # windows the search has judged since it started
+        self._fit_start = 0  # the planner's steps when this fit began: the search settles by ``_settle_by`` more
 
     def ratios_with(self, ranks: Sequence[int]) -> list[float]:
         """The ratios with lost ``ranks`` back: fixed ratios as given, automatic ones as they were at the loss."""
@@ -263,6 +261,7 @@ class LoadBalancer:
         self.batch_size = batch_size or self.batch_size
         if steps_per_epoch:
             self._settle_by = max(SETTLE_STEPS, 2 * int(steps_per_epoch))
+        self._fit_start = self.planner.taken
         self._signature = signature
         if not self.calibrated and not self.options.recalibrate:
             self._from_profile()
@@ -326,7 +325,6 @@ class LoadBalancer:
             if settled:  # a new batch size in a later fit: the shares found stay, watched as settled ones
                 self.search.settle_as_found()
             self._window = _Window()
-            self._search_steps = self._search_windows = 0
 
     # ------------------------------------------------------------- records
     def record(self, rec: StepRecord | None) -> None:
@@ -368,11 +366,10 @@ class LoadBalancer:
     def _search_on(self, rec: StepRecord) -> None:
         if self.search is None or self.batch_size is None:
             return
-        self._search_steps += 1
-        if (not self.search.settled and self._search_steps >= self._settle_by
-                and self._search_windows >= SETTLE_WINDOWS):
+        steps = self.planner.taken - self._fit_start  # every step of the fit, the calibration's included
+        if not self.search.settled and steps >= self._settle_by:
             before = list(self.ratios)
-            for event in self.search.time_up(self._search_steps):
+            for event in self.search.time_up(steps):
                 self.events.append(event)
                 self.advice.event(event)
             self.ratios = list(self.search.ratios)
@@ -394,7 +391,6 @@ class LoadBalancer:
             return
         self._window = _Window()
         window = Window(tuple(self.search.ratios), w.samples, w.seconds, tuple(w.compute), tuple(w.local))
-        self._search_windows += 1
         before = list(self.ratios)
         events = self.search.observe(window)
         self.speeds = window.speeds() or self.speeds

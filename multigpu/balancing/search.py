@@ -380,16 +380,33 @@ class ShareSearch:
         return [undo]
 
     def time_up(self, steps: int) -> list[Event]:
-        """Settles now (the run's steps for the search are spent): a move being measured is undone, and the
-        shares kept so far stay, watched like any settled shares."""
-        undone = ""
-        if self._trial is not None:
-            self._trial = None
-            self._trial_runs = []
-            self.ratios = self.base
-            undone = ", the move it was measuring undone"
+        """Settles now: the run's steps for the search are spent.
+
+        Whatever is being measured is decided on what it measured so far, against the kept shares' mean:
+        a move (or the best point of the scan, one window each) is kept only when its mean is above the
+        kept shares' by the margin its own windows allow (as :meth:`_judge` would with more windows);
+        otherwise the kept shares stay.  Then the shares are watched like any settled ones.
+        """
+        before = self._base_throughput()
+        events: list[Event] = []
+        candidate: tuple[tuple[float, ...], float, int] | None = None  # shares, measured, windows
+        if self._trial is not None and self._trial[1] != "scan" and self._trial_runs:
+            candidate = (self._trial[0], statistics.fmean(self._trial_runs), len(self._trial_runs))
+        elif self._scanned:
+            rate, best = max(self._scanned)
+            candidate = (best, rate, 1)
+        self._trial, self._trial_runs = None, []
         self._scan_queue, self._scanned = [], []
-        return self._settle(f"after {steps} steps the search stops moving{undone}")
+        self.ratios = self.base
+        if candidate is not None and before > 0:
+            shares, measured, n = candidate
+            margin = self._margin() * self.tuning.strict_factor / math.sqrt(n)
+            if measured > before * (1 + margin):
+                old, self.base, self.ratios = self.base, shares, shares
+                self._base_runs = [measured]
+                self.changes += 1
+                events.append(Event("keep", old, shares, before, measured, f"{measured / before - 1:+.1%}"))
+        return events + self._settle(f"after {steps} steps the search stops moving")
 
     def settle_as_found(self) -> None:
         """Starts settled at the given shares (found by an earlier search at another batch size): no scan, no

@@ -112,6 +112,7 @@ class StepPlanner:
         self.rank = rank
         self._queue: deque[tuple[StepPlan, Callable | None]] = deque()
         self._current: dict[bool, tuple[StepPlan, Callable | None]] = {}  # for_step -> the batch being stepped on
+        self.taken = 0  # training steps handed a plan, over the run
 
     def plan(self, total: int, *, for_step: bool = True, again: Callable[[StepPlan], object] | None = None
              ) -> StepPlan:
@@ -159,6 +160,7 @@ class StepPlanner:
             )
         plan, again = self._queue.popleft()
         self._current[True] = (plan, again)
+        self.taken += 1
         if plan.local != local_rows:
             self._queue.clear()
             raise RuntimeError(
