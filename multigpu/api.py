@@ -37,6 +37,18 @@ def _check_flag(name: str, value, allow_none: bool = False) -> None:
         raise TypeError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 
 
+def _check_sharding(shard_optimizer, min_devices, facts) -> None:
+    _check_flag("shard_optimizer", shard_optimizer)
+    if shard_optimizer and not facts.shard_optimizer:
+        raise ValueError(f"`shard_optimizer=True` runs on the torch backend; on the {facts.name} backend every "
+                         "device holds the whole optimizer state. Received: shard_optimizer=True with "
+                         f"KERAS_BACKEND={facts.name}")
+    if shard_optimizer and min_devices is not None:
+        raise ValueError("`shard_optimizer=True` cannot go with `min_devices`: the optimizer state of a lost "
+                         "device's part of the weights would be lost with it. Received: shard_optimizer=True, "
+                         f"min_devices={min_devices}")
+
+
 def _check_caps(max_batch, n: int):
     if max_batch is None:
         return None
@@ -92,6 +104,7 @@ def parallelize(
     bucket_mb: float | None = None,
     replay: bool | None = None,
     min_devices: int | None = None,
+    shard_optimizer: bool = False,
 ):
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -162,6 +175,13 @@ def parallelize(
         replay: on torch, ``False`` runs Keras's own forward pass at every
             step instead of replaying its recorded operations (the same
             numbers either way: for measuring what the replay buys).
+        shard_optimizer: on torch, each device holds the optimizer state
+            (Adam's moments, momenta) of a part of the weights and alone
+            updates them (ZeRO stage 1): parts follow each device's memory
+            (``cpu:0/2GiB``, a GPU's own), equal where it is unknown.  The
+            weights stay the same on every device after every step; saving
+            writes the whole state, as one device would.  Not with
+            ``min_devices`` (a lost device's part would be lost).
 
     Returns:
         The same model object, now parallel.
@@ -182,6 +202,7 @@ def parallelize(
     _check_flag("rebalance", rebalance, allow_none=True)
     _check_flag("recalibrate", recalibrate)
     _check_flag("report", report)
+    _check_sharding(shard_optimizer, min_devices, facts)
     if compression is not None and compression not in facts.compression:
         allowed = ", ".join(["None", *map(repr, facts.compression)])
         raise ValueError(f"`compression` must be one of {allowed} on the {facts.name} backend. "
@@ -215,6 +236,7 @@ def parallelize(
     elif spec.kind == "default":
         auto = _devices_differ(runtime.devices, facts)
     min_devices = _min_devices(env.fallback("min_devices", min_devices, env.MIN_DEVICES, int, say=say), n)
+    _check_sharding(shard_optimizer, min_devices if min_devices is not None and min_devices < n else None, facts)
     from multigpu.keras import parallel
 
     if n == 1:
@@ -234,7 +256,8 @@ def parallelize(
     balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_leader(comm))
     parallel.ParallelModel(model, runtime, comm, balancer,
                            parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression,
-                                            overlap=overlap, bucket_mb=bucket_mb, replay=replay),
+                                            overlap=overlap, bucket_mb=bucket_mb, replay=replay,
+                                            shard_optimizer=shard_optimizer),
                            backend.get().Steps).install()
     return model
 

@@ -12,6 +12,7 @@ result.  Tested with Keras 3.10 to 3.15.
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 __all__ = [
     "TESTED",
@@ -130,6 +131,12 @@ def _probes(owner: str) -> list:
         optimizer = keras.optimizers.SGD()
         optimizer.build([keras.Variable(np.zeros(1, "float32"))])
         return [optimizer]
+    if owner == "accumulating Optimizer":
+        optimizer = keras.optimizers.SGD(gradient_accumulation_steps=2)
+        optimizer.build([keras.Variable(np.zeros(1, "float32"))])
+        return [optimizer]
+    if owner == "Variable":
+        return [keras.Variable(np.zeros(1, "float32"))]
     if owner == "BatchNormalization":
         layer = keras.layers.BatchNormalization()
         layer.build((None, 2))
@@ -266,6 +273,76 @@ def update_metrics_variables(model, metrics_variables, unscaled_loss, x, y, y_pr
 def optimizer_variables(optimizer) -> list:
     """The variables an optimizer was built with (``Optimizer._trainable_variables``)."""
     return list(optimizer._trainable_variables)
+
+
+# The optimizer's own lists that are not per-variable state to shard: the variables themselves, and the EMA's
+# averages (kept whole on every rank: :mod:`multigpu.backend.torch.sharding`).
+_NOT_SLOTS = ("_trainable_variables", "_variables", "_model_variables_moving_average")
+
+
+@_uses("Optimizer", "_trainable_variables")
+def optimizer_slot_lists(optimizer) -> list[list]:
+    """The optimizer's per-variable state: every list it holds of one state variable (or None) per variable
+    it was built with, in their order (momenta, Adam's moments, gradient accumulators; not EMA averages)."""
+    built = list(optimizer._trainable_variables)
+    out = []
+    for name, value in vars(optimizer).items():
+        if name in _NOT_SLOTS or not isinstance(value, list) or len(value) != len(built) or not built:
+            continue
+        if all(s is None or (isinstance(s, keras.Variable) and tuple(s.shape) == tuple(v.shape))
+               for s, v in zip(value, built)) and any(s is not None for s in value):
+            out.append(value)
+    return out
+
+
+@_uses("Optimizer", "_backend_apply_gradients")
+def backend_apply_gradients(optimizer):
+    """Keras's own update of ``optimizer`` after its gradients are filtered and unscaled
+    (``_backend_apply_gradients``: clipping, weight decay, accumulation, the update step, the EMA)."""
+    return type(optimizer)._backend_apply_gradients.__get__(optimizer)
+
+
+def clip_by_global_norm(grads: list, clip_norm: float) -> list:
+    """Keras's own clipping by the global norm (``keras.src.optimizers.base_optimizer.clip_by_global_norm``)."""
+    from keras.src.optimizers.base_optimizer import clip_by_global_norm as keras_clip
+
+    return keras_clip(grads, clip_norm)
+
+
+@_uses("Optimizer", "_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value")
+def update_ema(optimizer) -> None:
+    """Keras's EMA step after an update (the end of ``_backend_apply_gradients``, before the iteration count
+    moves): the averages of every variable, and the variables overwritten by them every
+    ``ema_overwrite_frequency`` steps."""
+    variables = optimizer._trainable_variables
+    optimizer._update_model_variables_moving_average(variables)
+    frequency = optimizer.ema_overwrite_frequency
+    if frequency and (int(keras.ops.convert_to_numpy(optimizer.iterations)) + 1) % frequency == 0:
+        optimizer._overwrite_model_variables_with_average_value(variables)
+
+
+@_uses("Optimizer", "_iterations")
+def applied_steps(optimizer) -> int:
+    """How many times ``apply`` ran (``_iterations``: with gradient accumulation ``iterations`` counts updates)."""
+    return int(keras.ops.convert_to_numpy(optimizer._iterations))
+
+
+@_uses("Optimizer", "_backend_reset_gradient_accumulators")
+@_uses("accumulating Optimizer", "_accumulated_gradients")
+def reset_held_accumulators(optimizer) -> None:
+    """Keras's reset of the gradient accumulators after an accumulated update
+    (``_backend_reset_gradient_accumulators``), for the accumulators this process holds: a sharded optimizer
+    lets go of the others' storage (:mod:`multigpu.backend.torch.sharding`)."""
+    for accumulator in optimizer._accumulated_gradients:
+        if accumulator is not None and int(np.prod(accumulator.shape)) == int(accumulator.value.numel()):
+            accumulator.assign(keras.ops.zeros(accumulator.shape, dtype=accumulator.dtype))
+
+
+@_uses("Variable", "_value", backends=("torch",))
+def set_variable_storage(variable, storage) -> None:
+    """Gives a torch Keras variable ``storage`` (a ``torch.nn.Parameter``) in place of its own, of another size
+    where it may be (an empty one lets go of its memory; the variable's Keras ``shape`` stays)."""
+    variable._value = storage
 
 
 @_uses("torch optimizers", "_parallel_update_step", backends=("torch",))

@@ -37,6 +37,7 @@ class Facts:
         gpu_info: one GPU's facts by index: at least ``name``, and where the
             framework can tell, ``total_memory`` and ``free_memory`` in bytes.
         versions: the framework's versions for reports (``{"torch": ..., "cuda": ...}``).
+        shard_optimizer: whether ``parallelize(..., shard_optimizer=True)`` is built for the backend.
     """
 
     name: str
@@ -46,3 +47,4 @@ class Facts:
     gpu_count: Callable[[], int] = field(default=_no_gpus)
     gpu_info: Callable[[int], dict] = field(default=lambda index: {"name": "GPU"})
     versions: Callable[[], dict] = field(default=dict)
+    shard_optimizer: bool = False

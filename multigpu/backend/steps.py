@@ -11,7 +11,12 @@ rely on:
 * ``overlapping``: whether the last training step summed gradients while its
   backward pass ran;
 * ``realign_replicas()`` and ``sync_batchnorm_statistics()`` at every epoch's
-  end (``multigpu.keras.callbacks.EpochHooks``).
+  end (``multigpu.keras.callbacks.EpochHooks``);
+* with a sharded optimizer (``shard_optimizer=True``, where the backend's
+  facts allow it): ``prepare_optimizers()`` when ``fit`` starts (each rank
+  builds the state of its own part only), ``whole_optimizers()`` around a
+  save (the whole state on every rank), ``gather_optimizers()`` before the
+  model is made plain again.
 
 Inside a training step, in this order, on every rank: the plan of the global
 batch is taken (this rank's rows and gradient weight ``b_r / B``,
@@ -29,6 +34,7 @@ NumPy arrays, the variable transfers and the epoch-end BatchNorm average
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -68,6 +74,16 @@ class StepsCore:
     def overlapping(self) -> bool:
         """Whether the last training step summed gradients during its backward pass."""
         return False
+
+    def prepare_optimizers(self) -> None:
+        """Builds the optimizers before Keras would (a sharded optimizer's state of this rank's part only)."""
+
+    def whole_optimizers(self) -> contextlib.AbstractContextManager:
+        """The optimizers' whole state on every rank for the time of the block (a collective: every rank)."""
+        return contextlib.nullcontext()
+
+    def gather_optimizers(self) -> None:
+        """The optimizers' whole state on every rank from now on (a collective: every rank)."""
 
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks, weighted by share (at an epoch's end).
@@ -157,4 +173,5 @@ class StepsCore:
         """
         if len({d.kind for d in self.comm.runtime.devices}) < 2:
             return
-        self._broadcast_variables(self._state_variables(with_optimizers=True), "realigning the replicas")
+        with self.whole_optimizers():  # a sharded optimizer: rank 0's whole state is what is sent
+            self._broadcast_variables(self._state_variables(with_optimizers=True), "realigning the replicas")

@@ -153,6 +153,7 @@ class Loops:
             train.resume_at(back["epoch"], back["step"])
             initial_epoch = back["epoch"]
         p.steps_per_epoch = steps_per_epoch or train.num_batches
+        p.steps.prepare_optimizers()
         p.timing.break_continuity()
         try:
             with warnings.catch_warnings():

@@ -45,6 +45,7 @@ class Options:
     compression: str | None = None
     overlap: bool | None = None  # torch: sums during the backward pass (None: chosen by the devices and links)
     bucket_mb: float | None = None  # torch: the overlapped sums' bucket size in MiB (None: 4)
+    shard_optimizer: bool = False  # each rank holds and updates the optimizer state of a part of the weights
     replay: bool | None = None  # torch: False keeps Keras's own forward pass at every step
 
 
@@ -163,7 +164,9 @@ class ParallelModel:
 
     def uninstall(self) -> None:
         """Puts back everything :meth:`install` and the steps set (in reverse order) and lets the saving route
-        go: the model, its optimizers, its layers and ``keras.saving`` are Keras's own again."""
+        go: the model, its optimizers, its layers and ``keras.saving`` are Keras's own again (a sharded
+        optimizer's whole state first gathered on every rank)."""
+        self.steps.gather_optimizers()
         self.ledger.undo()
         _MODELS.pop(self.model, None)
         if self._saving_route is not None:
@@ -182,7 +185,8 @@ class ParallelModel:
             result = None
             membership.at("save", self.runtime.rank)
             try:
-                with as_class(self.model, self._class):  # Keras writes the name of the model's own class
+                with as_class(self.model, self._class), self.steps.whole_optimizers():  # Keras writes the
+                    # name of the model's own class, and the whole optimizer state where it is sharded
                     result = atomic_save(self.keras[method], filepath, self.runtime.rank - leader, overwrite,
                                          **kwargs)
             except Exception as exc:

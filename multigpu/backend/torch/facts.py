@@ -34,4 +34,5 @@ def _versions() -> dict:
     return versions
 
 
-FACTS = Facts("torch", grid=0, scan=True, gpu_count=_gpu_count, gpu_info=_gpu_info, versions=_versions)
+FACTS = Facts("torch", grid=0, scan=True, gpu_count=_gpu_count, gpu_info=_gpu_info, versions=_versions,
+              shard_optimizer=True)

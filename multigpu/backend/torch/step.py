@@ -55,6 +55,7 @@ from multigpu.backend.torch.memory import DeviceMemory, OutOfMemoryStepError
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
+from multigpu.backend.torch.sharding import ShardedOptimizers
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["TorchSteps"]
@@ -93,6 +94,7 @@ class TorchSteps(StepsCore):
         self._replay: list[tuple] = []
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
+        self.shards = ShardedOptimizers(self.comm, parallel.ledger) if parallel.options.shard_optimizer else None
         self._welcome_due = False  # the last sum said ranks coming back wait: take them in at this step
         self._last_train: tuple[list[float], int] | None = None  # the last training sum read (may lose a rank)
         if self.sync_batchnorm:
@@ -397,6 +399,18 @@ class TorchSteps(StepsCore):
         self.metrics.restore()
         return self.memory.cut_again(short, plan)
 
+    def prepare_optimizers(self) -> None:
+        if self.shards is not None and self.model.optimizer is not None:
+            self._see_optimizers()
+            self.shards.prepare(self.model.optimizer, self.model.trainable_variables)
+
+    def whole_optimizers(self):
+        return self.shards.whole() if self.shards is not None else super().whole_optimizers()
+
+    def gather_optimizers(self) -> None:
+        if self.shards is not None:
+            self.shards.gather()
+
     def _see_optimizers(self) -> None:
         """Each optimizer, the first time it is seen: its ``apply`` sums for a step of the model's own (the
         built-in step sums itself), and its update runs block by block."""
@@ -405,6 +419,8 @@ class TorchSteps(StepsCore):
                 self._seen[id(optimizer)] = optimizer
                 self.sync.wrap(optimizer, self.parallel.ledger)
                 blockwise.install(optimizer, self.parallel.ledger)
+                if self.shards is not None:
+                    self.shards.see(optimizer)
 
     def _custom_train(self, data, plan):
         if plan.local > 0:

@@ -1,0 +1,122 @@
+"""A sharded optimizer (``parallelize(..., shard_optimizer=True)``): exact against one device, on torch.
+
+The partition (:mod:`multigpu.planning.partition`) is tested in-process; the
+runs (``tests/scripts/sharded.py``) compare 2 devices at 3:1 and 3 devices at
+1:2:5 with one plain process: every optimizer feature, a ``train_step`` of
+the model's own, a GAN with two optimizers, the whole state after
+``unparallelize``, and a checkpoint written by a sharded run that a plain
+process loads and trains on.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from multigpu.planning.partition import memory_weights, owners, parts
+from tests.conftest import SCRIPTS
+
+ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_owners_follow_the_weights_within_one_variable():
+    sizes = [1000, 10, 500, 500, 250, 250, 7, 3]
+    for weights in ([1, 1], [3, 1], [1, 2, 5], [2, 2, 2, 2]):
+        owner = owners(sizes, weights)
+        assert owners(sizes, weights) == owner  # the same on every rank
+        got = parts(sizes, owner, len(weights))
+        assert sum(got) == sum(sizes)
+        for part, w in zip(got, weights):
+            assert abs(part - sum(sizes) * w / sum(weights)) <= max(sizes)
+    assert parts(sizes, owners(sizes, [3, 1]), 2)[0] > parts(sizes, owners(sizes, [1, 3]), 2)[0]
+    assert memory_weights([2 << 30, 1 << 30]) == [2.0 * (1 << 30), 1.0 * (1 << 30)]
+    assert memory_weights([2 << 30, None]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="above 0"):
+        owners([1, 2], [1, 0])
+
+
+def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(monkeypatch):
+    import keras
+
+    import multigpu
+    from multigpu import backend
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"cannot go with `min_devices`.*min_devices=1"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer=True, min_devices=1)
+    with pytest.raises(TypeError, match=r"`shard_optimizer` must be True or False. Received: shard_optimizer='yes'"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer="yes")
+    facts = backend.facts()
+    monkeypatch.setattr(backend, "facts", lambda: type(facts)("jax"))
+    with pytest.raises(ValueError, match=r"runs on the torch backend.*KERAS_BACKEND=jax"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer=True)
+
+
+def _run(args, cwd, timeout=240):
+    res = subprocess.run(args, capture_output=True, check=False, text=True, timeout=timeout,
+                         env={**os.environ, **ENV}, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def _load(path):
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("devices", "ratios"), [("cpu:0,cpu:1", "3,1"), ("cpu:0,cpu:1,cpu:2", "1,2,5")])
+def test_a_sharded_optimizer_matches_one_device(tmp_path, devices, ratios):
+    modes = "features,custom,gan,checkpoint"
+    n = len(devices.split(","))
+    # the parallel run first: the plain run then loads its checkpoint
+    _run([sys.executable, str(SCRIPTS / "sharded.py"), modes, str(tmp_path / "par"), "--devices", devices,
+          "--ratios", ratios], tmp_path)
+    _run([sys.executable, str(SCRIPTS / "sharded.py"), modes, str(tmp_path / "plain"), "--plain"], tmp_path)
+
+    def pair(mode):
+        ranks = [_load(tmp_path / f"par-{mode}.npz")]
+        ranks += [_load(tmp_path / f"par-{mode}.npz.rank{r}.npz") for r in range(1, n)]
+        return _load(tmp_path / f"plain-{mode}.npz"), ranks
+
+    plain, ranks = pair("features")
+    names = [k.split(".")[0] for k in plain if k.endswith(".weights")]
+    assert len(names) == 11
+    for name in names:
+        tolerance = {"mixed_float16": 1e-3, "mixed_bfloat16": 1e-2}.get(name, 1e-4)
+        r0 = ranks[0]
+        assert rel(plain[f"{name}.weights"], r0[f"{name}.weights"]) < tolerance, name
+        np.testing.assert_allclose(r0[f"{name}.loss"], plain[f"{name}.loss"], rtol=tolerance, err_msg=name)
+        # the whole optimizer state, gathered by unparallelize, is one device's
+        assert rel(plain[f"{name}.state"], r0[f"{name}.state"]) < tolerance, name
+        assert str(r0[f"{name}.optimizer"]) == str(plain[f"{name}.optimizer"]), name
+        for other in ranks[1:]:
+            np.testing.assert_array_equal(r0[f"{name}.weights"], other[f"{name}.weights"], err_msg=name)
+            np.testing.assert_array_equal(r0[f"{name}.state"], other[f"{name}.state"], err_msg=name)
+        held = [int(r[f"{name}.held"]) for r in ranks]
+        assert max(held) < int(plain[f"{name}.held"]), (name, held)  # no rank held the whole state
+        assert sum(held) >= int(plain[f"{name}.held"]), (name, held)  # every part on some rank
+    assert "LossScaleOptimizer" in str(ranks[0]["mixed_float16.optimizer"])
+
+    for mode in ("custom", "gan"):
+        plain, ranks = pair(mode)
+        assert rel(plain["weights"], ranks[0]["weights"]) < 1e-4, mode  # Adam
+        for other in ranks[1:]:
+            np.testing.assert_array_equal(ranks[0]["weights"], other["weights"])
+        assert max(int(r["held"]) for r in ranks) < int(plain["held"]), mode
+
+    plain, ranks = pair("checkpoint")
+    # a plain process that loads the sharded run's .keras file after epoch 1 and trains epoch 2 is a 2-epoch run
+    assert rel(plain["weights"], plain["resumed"]) < 1e-4
+    assert rel(plain["state"], plain["resumed_state"]) < 1e-4
+    # and so is the sharded run that loads the ModelCheckpoint's .weights.h5 into its parts and trains epoch 2
+    assert rel(plain["weights"], ranks[0]["loaded"]) < 1e-4
+    for other in ranks[1:]:
+        np.testing.assert_array_equal(ranks[0]["loaded"], other["loaded"])
