@@ -72,3 +72,15 @@ def test_bad_arguments_exit_2_with_a_clear_error(runner, args, message):
     res = runner.cli(*args, timeout=60)
     assert res.returncode == 2, res.stdout
     assert message in res.stdout
+
+
+def test_version_is_printed_and_named_by_devices(capsys):
+    from multigpu import __version__
+    from multigpu.cli import devices
+    from multigpu.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"multigpu {__version__}"
+    assert devices.collect()["versions"]["multigpu"] == __version__

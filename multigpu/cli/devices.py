@@ -47,7 +47,9 @@ def collect() -> dict:
             "device": f"cpu:{k}", "name": platform.processor() or platform.machine(),
             "cores": [core], "total_memory": total, "free_memory": free,
         })
-    versions = {"python": platform.python_version()}
+    from multigpu import __version__
+
+    versions = {"multigpu": __version__, "python": platform.python_version()}
     try:
         versions["keras"] = md.version("keras")
     except md.PackageNotFoundError:

@@ -20,7 +20,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from multigpu import __version__
+
     parser = _Parser(prog="multigpu", description="Data-parallel Keras training across devices.")
+    parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for module in _COMMANDS.values():
         module.add_parser(sub)

@@ -231,16 +231,21 @@ class Comm:
             self._lost_or_fail(what, exc)
 
     # ------------------------------------------------------- the step's sum
-    def buffer(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A vector of ``n`` elements to fill for the next :meth:`reduce` (contents undefined)."""
+    def buffer(self, n: int, dtype: torch.dtype = torch.float32, *, disjoint: bool = False) -> torch.Tensor:
+        """A vector of ``n`` elements to fill for the next :meth:`reduce` (contents undefined).
+
+        With ``disjoint``, every element is written by exactly one rank and the sum only gathers them: on
+        shared memory each rank writes straight into the result, which nobody adds up; elsewhere the vector
+        comes zeroed, for a sum that leaves each element as its writer wrote it.
+        """
         if self._shm is not None and dtype in _SHM_DTYPES:
             with self.fatal("preparing shared memory"):
-                return self._shm.buffer(n, dtype)
+                return self._shm.buffer(n, dtype, disjoint)
         key = (n, dtype)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=self.device)
-        return buf
+        return buf.zero_() if disjoint else buf
 
     def reduce(self, buf: torch.Tensor, *, tag: int = 0, what: str = "summing gradients",
                describe: Callable[[], str] | None = None) -> torch.Tensor:
@@ -359,7 +364,7 @@ class _SharedMemory:
         self.capacity = 0  # bytes per slot
         self.mm: mmap.mmap | None = None
         self.seq = 0
-        self._pending: tuple[int, int] | None = None
+        self._pending: tuple[int, int, bool] | None = None  # bytes, the buffer's address, disjoint
 
     def owns(self, buf: torch.Tensor) -> bool:
         return self._pending is not None and buf.data_ptr() == self._pending[1]
@@ -400,12 +405,12 @@ class _SharedMemory:
         array = np.frombuffer(self.mm, dtype=np.uint8, count=n * size, offset=offset)
         return torch.from_numpy(array).view(dtype)
 
-    def buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+    def buffer(self, n: int, dtype: torch.dtype, disjoint: bool = False) -> torch.Tensor:
         nbytes = n * torch.empty(0, dtype=dtype).element_size()
         if nbytes > self.capacity:
             self._grow(nbytes)
-        view = self._view((self.seq + 1) % 2, self.rank, n, dtype)
-        self._pending = (nbytes, view.data_ptr())
+        view = self._view((self.seq + 1) % 2, self.world if disjoint else self.rank, n, dtype)
+        self._pending = (nbytes, view.data_ptr(), disjoint)
         return view
 
     def _wait(self, flags: np.ndarray, s: int, phase: str) -> None:
@@ -437,7 +442,7 @@ class _SharedMemory:
             raise PeerLostError(found)
 
     def reduce(self, buf: torch.Tensor, tag: int, describe: Callable[[], str] | None) -> torch.Tensor:
-        nbytes, _ = self._pending  # type: ignore[misc]
+        nbytes, _, disjoint = self._pending  # type: ignore[misc]
         self._pending = None
         self.seq += 1
         s, which = self.seq, self.seq % 2
@@ -452,7 +457,7 @@ class _SharedMemory:
         n = buf.numel()
         lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
         result = self._view(which, self.world, n, buf.dtype)
-        if hi > lo:
+        if hi > lo and not disjoint:  # disjoint: every rank wrote its part of the result itself
             parts = [self._view(which, q, n, buf.dtype)[lo:hi] for q in range(self.world)]
             if len(parts) == 2:
                 torch.add(parts[0], parts[1], out=result[lo:hi])

@@ -218,22 +218,21 @@ class ShardedOptimizers:
         self._sum_owned([(v.value, v) for v in variables], shard, 7, "the updated weights")
 
     def _sum_owned(self, pairs: list[tuple[torch.Tensor, object]], shard: _Shard, tag: int, what: str) -> None:
-        """One sum per dtype where each rank adds the tensors whose model variable it owns and zeros elsewhere
-        (exact: ``x + 0 == x``); the others' tensors are then copied in."""
+        """Each rank's tensors of the model variables it owns on every rank: one collective per dtype whose
+        every element one rank writes (on shared memory straight into the result; elsewhere a sum of vectors
+        that are zero where a rank does not own: exact, ``x + 0 == x``); the others' tensors are copied in."""
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, bool]]] = {}
         for tensor, variable in pairs:
             by_dtype.setdefault(tensor.dtype, []).append((tensor, id(variable) in shard.mine))
         for dtype, group in by_dtype.items():
             n = sum(int(t.numel()) for t, _ in group)
-            buf = self.comm.buffer(n, dtype)
+            buf = self.comm.buffer(n, dtype, disjoint=True)
             offset = 0
             with torch.no_grad():
                 for tensor, mine in group:
                     size = int(tensor.numel())
                     if mine:
                         buf[offset : offset + size].copy_(tensor.reshape(-1))
-                    else:
-                        buf[offset : offset + size].zero_()
                     offset += size
                 layout = f"{what} ({n} values of {dtype})"
                 summed = self.comm.reduce(buf, tag=tag, what=f"sharing {what}", describe=lambda layout=layout: layout)
