@@ -180,8 +180,10 @@ def parallelize(
             updates them (ZeRO stage 1): parts follow each device's memory
             (``cpu:0/2GiB``, a GPU's own), equal where it is unknown.  The
             weights stay the same on every device after every step; saving
-            writes the whole state, as one device would.  Not with
-            ``min_devices`` (a lost device's part would be lost).
+            writes the whole state, as one device would.  Off by default
+            (see the README's "The optimizer state in parts" for what it
+            measured).  Not with ``min_devices`` (a lost device's part would
+            be lost).
 
     Returns:
         The same model object, now parallel.

@@ -71,6 +71,7 @@ class State:
             time) each; their share is 0 until they come back.
         joined: the lost devices that came back (``--max-restarts``), oldest first: ``rank``, ``device`` and
             ``at`` each.
+        shard_optimizer: whether each device holds the optimizer state of a part of the weights only.
     """
 
     rank: int
@@ -85,6 +86,7 @@ class State:
     overlap: bool = False
     lost: list[dict] = field(default_factory=list)
     joined: list[dict] = field(default_factory=list)
+    shard_optimizer: bool = False
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
@@ -226,7 +228,7 @@ class ParallelModel:
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
                      b.quantum, bool(getattr(self.steps, "overlapping", False)), list(self.lost),
-                     list(self.joined))
+                     list(self.joined), self.options.shard_optimizer)
 
 
 def _is_parallel_model(model) -> bool:

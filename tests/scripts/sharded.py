@@ -12,6 +12,7 @@ Modes:
              training, and the whole optimizer state after ``multigpu.unparallelize``
   custom     a ``train_step`` of the model's own (backward, ``optimizer.apply``) with Adam
   gan        a GAN whose ``train_step`` calls two optimizers (Adam, SGD with momentum), by ``train_on_batch``
+  default    no ``shard_optimizer`` given (equal shares): whether the run holds the state in parts (it does not)
   checkpoint one epoch of Adam with a ``ModelCheckpoint`` (``.weights.h5``), then ``model.save`` (a
              ``.keras`` file); the parallel run then trains another epoch, loads the ``.weights.h5`` into
              its sharded optimizer and trains the second epoch again; the plain run trains two epochs,
@@ -227,7 +228,25 @@ def checkpoint(a):
          state=flat(model.optimizer.variables), resumed_state=flat(resumed.optimizer.variables))
 
 
-MODES = {"features": features, "custom": custom, "gan": gan, "checkpoint": checkpoint}
+def default(a):
+    """No ``shard_optimizer`` given: what the run chose, and the state each rank held."""
+    import multigpu
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(64,))
+    keras.utils.set_random_seed(5)
+    model = small_model()
+    if not a.plain:
+        model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=[1.0] * len(a.devices.split(",")),
+                                     timeout=60)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    sharded = bool(multigpu.state(model).shard_optimizer) if not a.plain else False
+    save(a, 0 if a.plain else multigpu.rank(), sharded=np.asarray(sharded), held=np.asarray(held(model.optimizer)))
+
+
+MODES = {"default": default, "features": features, "custom": custom, "gan": gan, "checkpoint": checkpoint}
 
 
 def main():
