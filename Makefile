@@ -53,8 +53,9 @@ test: $(TEST_STAMP) lint
 		-m "not outside"
 
 # Every check that needs a GPU, on a machine with one and a CUDA build of torch (and Keras) in GPU_PYTHON:
-# the CUDA path (a GPU rank beside a CPU rank, exact), and a real CUDA out-of-memory error taken again within a
-# lowered cap. Nothing else depends on a GPU. 2 min 36 s on one H100 (4 tests).
+# the CUDA path (a GPU rank beside a CPU rank, exact), a real CUDA out-of-memory error taken again within a
+# lowered cap, and a sharded optimizer on a GPU rank beside a CPU rank. Nothing else depends on a GPU.
+# 2 min 54 s on one H100 (5 tests).
 GPU_PYTHON ?= python3
 gpu-check:
 	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py

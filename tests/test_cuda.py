@@ -93,3 +93,25 @@ def test_a_real_cuda_out_of_memory_is_cut_again_and_stays_exact(runner, tmp_path
     import json
 
     assert json.loads(out.read_text())["error"] < TOLERANCE["sgd"]
+
+
+def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner):
+    """``shard_optimizer=True`` with a GPU rank beside a CPU rank (the weights gathered over gloo, the state in
+    CUDA and CPU tensors): every optimizer feature and a checkpoint, against plain Keras on the GPU."""
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", **F32}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    plain = subprocess.run([sys.executable, str(SCRIPTS / "sharded.py"), "features", str(runner.tmp_path / "plain"),
+                            "--plain"], capture_output=True, check=False, text=True, timeout=240, env=env,
+                           cwd=runner.tmp_path)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    res = runner.run([sys.executable, str(SCRIPTS / "sharded.py"), "features", str(runner.tmp_path / "par"),
+                      "--devices", "cuda:0,cpu:0", "--ratios", "3,1"], timeout=240, extra_env=F32)
+    assert res.returncode == 0, res.stdout
+    with np.load(runner.tmp_path / "plain-features.npz") as p, np.load(runner.tmp_path / "par-features.npz") as g:
+        names = [k.split(".")[0] for k in p.files if k.endswith(".weights")]
+        assert len(names) == 11
+        for name in names:
+            tolerance = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}.get(name, 1e-3)
+            assert max_relative_error([p[f"{name}.weights"]], [g[f"{name}.weights"]]) <= tolerance, name
+            assert max_relative_error([p[f"{name}.state"]], [g[f"{name}.state"]]) <= tolerance, name
+            assert int(g[f"{name}.held"]) < int(p[f"{name}.held"]), name
