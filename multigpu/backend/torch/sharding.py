@@ -190,11 +190,6 @@ class ShardedOptimizers:
             shard.drop()
         return shard
 
-    def parts(self, optimizer) -> list[int] | None:
-        """Values of state per rank's part of ``optimizer`` (None before it is built)."""
-        shard = self._shards.get(id(self.holder(optimizer)))
-        return None if shard is None else list(shard.parts)
-
     # ------------------------------------------------------------ the update
     def _apply(self, opt, keras_apply, grads: list, variables: list) -> None:
         shard = self._shard(opt)
