@@ -13,30 +13,19 @@ Modes:
   shared_bn   one BatchNorm layer applied in two parallel branches, sync_batchnorm=True
 """
 
-import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
+import modes
 import numpy as np
+from modes import save
 
 
 def parallel(model, a, **kwargs):
-    if a.plain:
-        return model, 0
-    import multigpu
-
-    ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
-    model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=30, **kwargs)
-    return model, multigpu.rank()
-
-
-def save(a, rank, **arrays):
-    path = a.out if rank == 0 else f"{a.out}.rank{rank}.npz"
-    np.savez(path, **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in arrays.items()})
+    return modes.parallel(model, a, timeout=30, **kwargs)
 
 
 def two_input(a):
@@ -151,12 +140,7 @@ MODES = {"two_input": two_input, "two_output": two_output, "sync_bn": sync_bn, "
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("modes")
-    p.add_argument("out")
-    p.add_argument("--plain", action="store_true")
-    p.add_argument("--devices", default="cpu:0,cpu:1")
-    p.add_argument("--ratios", default="3,1")
+    p = modes.parser()
     p.add_argument("--steps-per-execution", type=int, default=1, help="two_output's (the same numbers as 1)")
     p.add_argument("--eager", action="store_true", help="TensorFlow: a plain reference run eagerly (Keras's "
                    "traced step weighs each output's loss by a batch size it may not know)")
@@ -165,10 +149,7 @@ def main():
         import tensorflow as tf
 
         tf.config.run_functions_eagerly(True)
-    base = a.out
-    for mode in (MODES if a.modes == "all" else a.modes.split(",")):
-        a.out = f"{base}-{mode}.npz"
-        MODES[mode](a)
+    modes.run(MODES, a)
     return 0
 
 

@@ -19,29 +19,18 @@ Modes:
              and also loads the ``.keras`` file in this plain process and trains its second epoch
 """
 
-import argparse
-import json
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
+import modes
 import numpy as np
+from modes import save
 
 
 def parallel(model, a):
-    if a.plain:
-        return model, 0
-    import multigpu
-
-    ratios = [float(r) for r in a.ratios.split(",")]
-    return (multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=60,
-                                 shard_optimizer=True), multigpu.rank())
-
-
-def save(a, rank, **arrays):
-    path = a.out if rank == 0 else f"{a.out}.rank{rank}.npz"
-    np.savez(path, **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in arrays.items()})
+    return modes.parallel(model, a, shard_optimizer=True)
 
 
 def flat(values) -> np.ndarray:
@@ -250,17 +239,7 @@ MODES = {"default": default, "features": features, "custom": custom, "gan": gan,
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("modes")
-    p.add_argument("out")
-    p.add_argument("--plain", action="store_true")
-    p.add_argument("--devices", default="cpu:0,cpu:1")
-    p.add_argument("--ratios", default="3,1")
-    a = p.parse_args()
-    base = a.out
-    for mode in (MODES if a.modes == "all" else a.modes.split(",")):
-        a.out = f"{base}-{mode}.npz"
-        MODES[mode](a)
+    modes.run(MODES, modes.parser().parse_args())
 
 
 if __name__ == "__main__":

@@ -12,29 +12,15 @@ Modes:
              accumulation, EMA, AdamW with a schedule, mixed_float16 (LossScaleOptimizer), mixed_bfloat16
 """
 
-import argparse
-import json
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras
+import modes
 import numpy as np
 import tensorflow as tf
-
-
-def parallel(model, a):
-    if a.plain:
-        return model, 0
-    import multigpu
-
-    ratios = [float(r) for r in a.ratios.split(",")] if a.ratios else None
-    return multigpu.parallelize(model, devices=a.devices.split(","), ratios=ratios, timeout=60), multigpu.rank()
-
-
-def save(a, rank, **arrays):
-    path = a.out if rank == 0 else f"{a.out}.rank{rank}.npz"
-    np.savez(path, **{k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in arrays.items()})
+from modes import parallel, save
 
 
 def flat(model) -> np.ndarray:
@@ -178,17 +164,7 @@ MODES = {"custom": custom, "gan": gan, "features": features}
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("modes")
-    p.add_argument("out")
-    p.add_argument("--plain", action="store_true")
-    p.add_argument("--devices", default="cpu:0,cpu:1")
-    p.add_argument("--ratios", default="3,1")
-    a = p.parse_args()
-    base = a.out
-    for mode in (MODES if a.modes == "all" else a.modes.split(",")):
-        a.out = f"{base}-{mode}.npz"
-        MODES[mode](a)
+    modes.run(MODES, modes.parser().parse_args())
 
 
 if __name__ == "__main__":
