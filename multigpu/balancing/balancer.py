@@ -39,6 +39,8 @@ WINDOW_STEPS = 3
 # window at worse shares and new local batch sizes, and on a noisy machine a search that goes on keeps
 # probing (issue 54: windows at one share spread as much as the moves they judge).
 SETTLE_STEPS = 40
+
+
 @dataclass
 class BalanceOptions:
     """What the user asked of the balancer (see ``parallelize``).
@@ -135,7 +137,7 @@ class LoadBalancer:
         self.lost: list[int] = []  # ranks lost during the run: their share is 0 from then on
         self._remeasure = False  # automatic shares after a loss: measure the devices left once
         self._before_loss: dict[int, float] = {}  # a lost rank's ratio when it was lost
-        self._settle_by = SETTLE_STEPS  # steps of a search after which it settles
+        self._settle_by = SETTLE_STEPS  # steps of a fit by which its search settles
         self._fit_start = 0  # the planner's steps when this fit began: the search settles by ``_settle_by`` more
 
     def ratios_with(self, ranks: Sequence[int]) -> list[float]:
@@ -259,8 +261,7 @@ class LoadBalancer:
         if batch_size:
             self.shares(batch_size)  # a batch no cap allows fails here, on every rank
         self.batch_size = batch_size or self.batch_size
-        if steps_per_epoch:
-            self._settle_by = max(SETTLE_STEPS, 2 * int(steps_per_epoch))
+        self._settle_by = max(SETTLE_STEPS, 2 * int(steps_per_epoch or 0))
         self._fit_start = self.planner.taken
         self._signature = signature
         if not self.calibrated and not self.options.recalibrate:
