@@ -11,6 +11,8 @@ it runs one).
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,29 @@ def _store(runtime, fd: str | None):
     return dist.TCPStore(*args, wait_for_workers=False, **extra)
 
 
+_FORK_GUARDED = False
+
+
+def _settle_before_fork() -> None:
+    """Waits, holding the GIL, until no thread holds CPython's thread-state lock, just before this process forks.
+
+    A gloo thread that finishes a collective drops its tensors, which takes
+    the GIL through a new thread state, made under that lock without the
+    GIL.  CPython before 3.12 (gh-112275) takes the lock again in the child
+    before resetting it, so a fork (a ``DataLoader``'s workers) at that
+    instant leaves a child that never starts, and a loader that waits for
+    it forever.  ``sys._current_frames`` takes and releases the lock.
+    """
+    sys._current_frames()
+
+
+def _guard_forks() -> None:
+    global _FORK_GUARDED
+    if not _FORK_GUARDED and sys.version_info < (3, 12):
+        os.register_at_fork(before=_settle_before_fork)
+        _FORK_GUARDED = True
+
+
 def join(runtime, process_group: str | None = None) -> None:
     """Joins the run's process group (and, under an outside launcher, learns every rank's device).
 
@@ -52,6 +77,7 @@ def join(runtime, process_group: str | None = None) -> None:
         process_group: ``"gloo"`` or ``"nccl"``; by default NCCL when every device is a GPU, else gloo (the
             TensorFlow backend, which sums on the host, asks for gloo).
     """
+    _guard_forks()
     if env.get(env.REJOIN) == "1":
         return  # a lost rank started again: it joins a group of the others at a step of fit (Comm.rejoin)
     backend = process_group or process_group_backend(runtime)
