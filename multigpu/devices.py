@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from multigpu import env
 
-__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "format_size", "parse_devices",
-           "parse_size", "usable_cores"]
+__all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "format_size", "looks_like_devices",
+           "parse_devices", "parse_size", "usable_cores"]
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@/]+))?"
                    r"(?:/(?P<memory>[^@/]+))?$")
@@ -189,6 +189,13 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
         )
         raise ValueError(f"Device {item!r} does not exist.{hint}")
     return Device(kind, index, speed, memory=memory)
+
+
+def looks_like_devices(text: str) -> bool:
+    """Whether ``text`` is a device list as the command line takes it (``0``, ``cpu:1@0.5``, ``cpu:0,cpu:1``,
+    ``auto``): for telling devices apart from what follows them."""
+    parts = [t.strip().lower() for t in text.split(",") if t.strip()]
+    return bool(parts) and all(t == "auto" or t.isdigit() or _SPEC.match(t) for t in parts)
 
 
 def parse_devices(

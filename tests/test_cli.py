@@ -84,3 +84,67 @@ def test_version_is_printed_and_named_by_devices(capsys):
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"multigpu {__version__}"
     assert devices.collect()["versions"]["multigpu"] == __version__
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["run", "--devices", "cpu:0", "cpu:1@0.5", "--ratios", "3,1", "train.py", "--devices", "0", "1"],
+     ["run", "--devices", "cpu:0,cpu:1@0.5", "--ratios", "3,1", "train.py", "--devices", "0", "1"]),
+    (["run", "--gpus", "0,", "1", "train.py"], ["run", "--gpus", "0,1", "train.py"]),
+    (["bench", "--devices", "cpu:0,cpu:1", "cpu:2/2GiB", "--batch-size", "8"],
+     ["bench", "--devices", "cpu:0,cpu:1,cpu:2/2GiB", "--batch-size", "8"]),
+    (["calibrate", "--devices", "auto", "--model", "mlp"], ["calibrate", "--devices", "auto", "--model", "mlp"]),
+])
+def test_every_command_takes_devices_with_commas_or_spaces_and_leaves_the_scripts_arguments(argv, expected):
+    from multigpu.cli.main import join_device_lists
+
+    assert join_device_lists(argv) == expected
+
+
+def test_bench_counts_the_devices_not_the_arguments():
+    from multigpu.cli import bench
+    from multigpu.cli.main import build_parser, join_device_lists
+    from multigpu.devices import parse_devices
+
+    auto = len(parse_devices("auto", num_gpus=0))
+    for argv, count in ((["bench", "--batch-size", "256"], auto), (["bench", "--devices", "cpu:0", "cpu:1"], 2),
+                        (["bench", "--devices", "cpu:0,cpu:1,cpu:2"], 3)):
+        args = build_parser().parse_args(join_device_lists(argv))
+        assert bench._count(args) == count, argv
+    args = build_parser().parse_args(["bench", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", "--batch-size", "256"])
+    bench._check(args)  # two ratios for two devices given in one argument: accepted
+
+
+@pytest.mark.parametrize("argv", [["run", "--nope", "x.py"], ["bench", "--steps", "many"], ["devices", "extra"],
+                                  ["launch"]])
+def test_a_misused_command_line_exits_2_with_one_line(argv, capsys):
+    from multigpu.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "error:" in err, err
+
+
+@pytest.mark.parametrize(("module", "extra"), [("jax", "jax"), ("tensorflow", "tensorflow"), ("matplotlib", "plot")])
+def test_a_backend_that_is_not_installed_names_the_extra_to_install(module, extra, capsys, monkeypatch):
+    from multigpu.cli import devices
+    from multigpu.cli.main import main
+
+    def missing(args):
+        raise ModuleNotFoundError(f"No module named '{module}'", name=module)
+
+    monkeypatch.setattr(devices, "run", missing)
+    assert main(["devices"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"pip install 'keras-multigpu[{extra}]'" in err, err
+
+
+def test_every_command_says_what_it_does_with_an_example(capsys):
+    from multigpu.cli.main import _COMMANDS, main
+
+    for name in _COMMANDS:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        out = capsys.readouterr().out
+        assert f"multigpu {name}" in out.split("options:")[0].split("\n", 2)[-1], (name, out)

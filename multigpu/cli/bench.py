@@ -22,9 +22,10 @@ BASELINES = {"single": "plain model.fit on one device", "ddp": "PyTorch DDP loop
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure samples/s per device, sweep batch sizes, compare baselines")
-    p.add_argument("--devices", "--gpus", nargs="+", default=["auto"],
-                   help="devices, e.g. 0 1 or cpu:0 cpu:1@0.5 (default: auto)")
+    p = sub.add_parser("bench", help="measure samples/s per device, sweep batch sizes, compare baselines",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", "--gpus", default="auto",
+                   help="devices, e.g. 0,1 or 0 1 or cpu:0 cpu:1@0.5 (default: auto, every GPU)")
     p.add_argument("--batches", nargs="+", type=int, default=None,
                    help="local batch per device, e.g. 512 355 (sets the global batch and the ratios)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch size (default 256)")
@@ -82,6 +83,13 @@ def _check(args: argparse.Namespace) -> None:
     get_model(args.model)
 
 
+def _count(args: argparse.Namespace) -> int:
+    """How many devices ``--devices`` names."""
+    from multigpu.devices import parse_devices
+
+    return len(parse_devices(args.devices, num_gpus=backend.gpu_count))
+
+
 def _ratios(args, n: int):
     if args.ratios is None:
         return None
@@ -125,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     if args.sweep:
         return _sweep(args)
-    n = len(args.devices)
+    n = _count(args)
     if args.batches is not None:
         batch, ratios = sum(args.batches), [float(b) for b in args.batches]
     else:
@@ -190,7 +198,7 @@ def _sweep(args) -> int:
     from multigpu.bench.runs import run_config
 
     sizes = [int(s) for s in args.sweep.split(",")]
-    ratios = _ratios(args, len(args.devices))
+    ratios = _ratios(args, _count(args))
     rows = []
     epoch_rows = 60000
     for size in sizes:
@@ -218,13 +226,14 @@ def _sweep(args) -> int:
                      f"{r['samples_per_second']:.1f} | {r['speedup']:.2f}{mark} | {r['loss']:.4f} |")
     print("\n" + "\n".join(table))
     print(f"(time per epoch: {epoch_rows} samples at the measured rate)")
-    if len(args.devices) > 1:
+    if _count(args) > 1:
         print(f"break-even: from a global batch of {even} the devices together are faster than one alone"
               if even is not None else "break-even: at none of these batch sizes are the devices together faster "
               "than one alone; try larger batches")
     out = args.out or Path(".")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"model": args.model, "devices": args.devices, "rows": rows,
+    specs = _base_config(args, 0, None)["devices"]
+    (out / "sweep.json").write_text(json.dumps({"model": args.model, "devices": specs, "rows": rows,
                                                 "break_even": even}, indent=2))
     (out / "sweep.md").write_text("\n".join(table) + "\n")
     written = [out / "sweep.json", out / "sweep.md"]

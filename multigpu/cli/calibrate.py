@@ -18,8 +18,10 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure device speeds and batch limits, write a profile")
-    p.add_argument("--devices", "--gpus", nargs="+", default=["auto"], help="devices, e.g. cpu:0 cpu:1@0.5")
+    p = sub.add_parser("calibrate", help="measure device speeds and batch limits, write a profile",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", "--gpus", default="auto",
+                   help="devices, e.g. 0,1 or 0 1 or cpu:0 cpu:1@0.5 (default: auto, every GPU)")
     p.add_argument("--model", default="convnet", help="convnet, mlp, gru, maxing, dense41m or file.py:fn")
     p.add_argument("--width", type=float, default=1.0)
     p.add_argument("--sizes", default="32,64,128,256,512", help="local batch sizes to try, ascending")

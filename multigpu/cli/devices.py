@@ -1,4 +1,8 @@
-"""``multigpu devices``: the devices of this machine, for choosing and for bug reports."""
+"""``multigpu devices``: the devices of this machine, for choosing and for bug reports.
+
+    multigpu devices
+    multigpu devices --json
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import platform
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("devices", help="list the devices multigpu can use")
+    p = sub.add_parser("devices", help="list the devices multigpu can use", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 

@@ -1,4 +1,10 @@
-"""Entry point of the ``multigpu`` command."""
+"""Entry point of the ``multigpu`` command.
+
+Every command takes its devices the same way: ``--devices cpu:0,cpu:1`` or
+``--devices cpu:0 cpu:1``.  Every misuse (a bad flag or value, a backend
+that is not installed) exits with code 2 and one line saying what was
+received and what is allowed.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +15,24 @@ from multigpu.cli import bench as bench_cmd
 from multigpu.cli import calibrate as calibrate_cmd
 from multigpu.cli import devices as devices_cmd
 from multigpu.cli import run as run_cmd
+from multigpu.devices import looks_like_devices
 
 _COMMANDS = {"run": run_cmd, "devices": devices_cmd, "bench": bench_cmd, "calibrate": calibrate_cmd}
+_DEVICE_FLAGS = ("--devices", "--gpus")
+# The pip extra that brings a module multigpu may need but does not require.
+_EXTRAS = {"jax": "jax", "jaxlib": "jax", "tensorflow": "tensorflow", "matplotlib": "plot"}
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # exit code 2 with the usage, as argparse does
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message: str):  # exit code 2 and one line
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from multigpu import __version__
 
-    parser = _Parser(prog="multigpu", description="Data-parallel Keras training across devices.")
+    parser = _Parser(prog="multigpu", description="Data-parallel Keras training across devices.",
+                     epilog="Run 'multigpu COMMAND --help' for a command's flags and examples.")
     parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for module in _COMMANDS.values():
@@ -30,13 +40,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def join_device_lists(argv: list[str]) -> list[str]:
+    """``--devices cpu:0 cpu:1`` (spaces) as ``--devices cpu:0,cpu:1`` (commas), up to ``run``'s script (whose
+    own arguments are left as they are)."""
+    out: list[str] = []
+    i = 0
+    is_run = bool(argv) and argv[0] == "run"
+    takes_value = {a for action in run_cmd.VALUE_FLAGS for a in action}
+    while i < len(argv):
+        token = argv[i]
+        out.append(token)
+        i += 1
+        if token in _DEVICE_FLAGS:
+            group = []
+            while i < len(argv) and looks_like_devices(argv[i]):
+                group.append(argv[i].strip(","))
+                i += 1
+            if group:
+                out.append(",".join(group))
+        elif is_run and len(out) > 1 and not token.startswith("-"):
+            return out + argv[i:]  # the script: the rest is its own
+        elif is_run and token in takes_value and i < len(argv):
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    top = (exc.name or "").split(".")[0]
+    if top in _EXTRAS:
+        return (f"{top} is not installed; install it with: pip install 'keras-multigpu[{_EXTRAS[top]}]'"
+                + (" (or choose another backend with KERAS_BACKEND)" if _EXTRAS[top] != "plot" else ""))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_device_lists(list(sys.argv[1:] if argv is None else argv)))
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
         print(f"multigpu {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        hint = _missing_extra(exc)
+        if hint is None:
+            raise
+        print(f"multigpu {args.command}: error: {hint}", file=sys.stderr)
         return 2
 
 

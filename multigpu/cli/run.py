@@ -28,11 +28,15 @@ from multigpu.planning.shares import parse_ratios
 from multigpu.runtime import environments
 from multigpu.runtime.supervisor import Supervisor
 
+# The flags of ``run`` that take a value, besides ``--devices``: the command line's scan for the script skips them.
+VALUE_FLAGS = (("--ratios",), ("--timeout",), ("--max-restarts",), ("--min-devices",))
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="run a training script on several devices")
+    p = sub.add_parser("run", help="run a training script on several devices", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", "--gpus", default="auto",
-                   help="comma-separated devices, e.g. 0,1 or cpu:0,cpu:1@0.5 (default: auto)")
+                   help="devices, e.g. 0,1 or 0 1 or cpu:0,cpu:1@0.5 (default: auto, every GPU)")
     p.add_argument("--ratios", default=None,
                    help="comma-separated ratios, e.g. 3,1, 'auto', or a profile .json (default: the script's choice)")
     p.add_argument("--timeout", type=float, default=None,
