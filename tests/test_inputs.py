@@ -118,3 +118,24 @@ def test_a_machine_whose_input_runs_out_early_ends_the_run_with_a_clear_error(ru
         assert ("the input ran out after 4 batches on rank(s) [1] while rank(s) [0] still had batch 4"
                 in res.stdout), res.stdout[-3000:]
     assert runner.leftovers() == []
+
+
+def test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy(runner):
+    """A DataFrame and a Series for fit and its validation, ``jax.Array``s for evaluate and a ``tf.Tensor`` for
+    predict take the arrays' path and give what plain Keras gives on the same NumPy arrays."""
+    for module in ("pandas", "jax", "tensorflow"):
+        pytest.importorskip(module, reason="make test installs pandas, jax and tensorflow-cpu")
+    plain = plain_run("array_forms.py", "torch", runner.tmp_path, 120)
+    out = runner.tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", "cpu:0", "cpu:1", "--ratios", "3,1", str(SCRIPTS / "array_forms.py"),
+                     str(out), timeout=150, extra_env=BACKENDS["torch"])
+    assert res.returncode == 0, res.stdout
+    got = load(out)
+    assert rel(plain["weights"], got["weights"]) < 1e-5
+    for key, values in plain["history"].items():
+        np.testing.assert_allclose(got["history"][key], values, rtol=1e-5, err_msg=key)
+    for key, value in plain["evaluate"].items():
+        assert got["evaluate"][key] == pytest.approx(value, rel=1e-5)
+    np.testing.assert_allclose(got["predict"], plain["predict"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(load(f"{out}.rank1.npz")["weights"], got["weights"])
+    assert runner.leftovers() == []

@@ -11,7 +11,8 @@ import inspect
 import keras
 import numpy as np
 
-__all__ = ["batch_rows", "input_kind", "is_array_data", "leaves", "num_rows", "standardize", "validation_split"]
+__all__ = ["as_arrays", "batch_rows", "input_kind", "is_array_data", "leaves", "num_rows", "standardize",
+           "validation_split"]
 
 
 def leaves(structure) -> list:
@@ -23,6 +24,24 @@ def _is_array(value) -> bool:
     if isinstance(value, np.ndarray):
         return True
     return type(value).__module__.startswith("torch") and hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _to_numpy(leaf):
+    """A pandas DataFrame or Series, a ``jax.Array`` or a TensorFlow tensor as a NumPy array (as Keras's array
+    adapter takes them); anything else as it is."""
+    module = type(leaf).__module__
+    if module.startswith("pandas") and hasattr(leaf, "to_numpy"):
+        return leaf.to_numpy()
+    if module.startswith(("jax", "jaxlib", "tensorflow")) and hasattr(leaf, "shape") and hasattr(leaf, "dtype") \
+            and hasattr(leaf, "__array__"):
+        return np.asarray(leaf)
+    return leaf
+
+
+def as_arrays(*structures) -> tuple:
+    """The structures with every pandas, JAX and TensorFlow array in them as a NumPy array, so that all of them
+    take the arrays' path (split by rows, read once per machine)."""
+    return tuple(None if s is None else keras.tree.map_structure(_to_numpy, s) for s in structures)
 
 
 def is_array_data(*structures) -> bool:

@@ -38,7 +38,7 @@ def source_for(x, y, sample_weight, batch_size, shuffle, seed: int, what: str, h
         return ArraySource(x, y, sample_weight, batch_size, shuffle, seed)
     if kind == "other":
         raise TypeError(
-            f"{what}: multigpu takes NumPy arrays or torch tensors (alone, or in lists and dicts), "
+            f"{what}: multigpu takes arrays (NumPy, torch, JAX, TensorFlow, pandas; alone, or in lists and dicts), "
             "a keras.utils.PyDataset, a Python generator, a torch DataLoader, a batched grain dataset or a "
             "tf.data.Dataset. "
             f"Received: x of type {type(x).__name__}"

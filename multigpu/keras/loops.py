@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from multigpu._keras import compat as _compat
-from multigpu.data.forms import input_kind, num_rows, validation_split
+from multigpu.data.forms import as_arrays, input_kind, num_rows, validation_split
 from multigpu.data.host import Host
 from multigpu.data.sources import source_for
 from multigpu.keras.callbacks import EpochHooks, for_rank
@@ -94,6 +94,7 @@ class Loops:
               checked: bool = True) -> ShardedData:
         """``checked=False`` on a rank that came back: the others checked the data when the call began."""
         p = self.parallel
+        x, y, sample_weight = as_arrays(x, y, sample_weight)
         kind = input_kind(x)
         if kind == "arrays":
             batch_size = _check_batch_size(batch_size, self.world_size, self.rank, what)
@@ -121,6 +122,7 @@ class Loops:
         until the others take it in, then starts at their epoch and step.
         """
         p = self.parallel
+        x, y, sample_weight = as_arrays(x, y, sample_weight)
         rejoinable = input_kind(x) == "arrays" and steps_per_epoch is None
         back = self._come_back(x, rejoinable)
         seed = back["seed"] if back else p.comm.shared_seed()
