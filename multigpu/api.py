@@ -342,14 +342,14 @@ def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
 def _log_on_leader(comm):
     def log(message: str) -> None:
         if comm.rank == getattr(comm, "leader", 0):
-            print(f"multigpu: {message}", flush=True)
+            log.info(f"{message}")
     return log
 
 
 def _log_on_rank0(rank_: int):
     def log(message: str) -> None:
         if rank_ == 0:
-            print(f"multigpu: {message}", flush=True)
+            log.info(f"{message}")
     return log
 
 

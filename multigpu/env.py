@@ -44,6 +44,8 @@ wins, and where a variable says otherwise the run says so in one line
 * ``MULTIGPU_SHARED_ARRAYS``: the descriptors of the shared files that
   :func:`multigpu.load_once` filled in a script's first process, in call
   order (a JSON list), passed on to the ranks it starts.
+* ``MULTIGPU_LOG_LEVEL``: the level of multigpu's messages (``debug``, ``info``, ``warning``, ``error``;
+  default ``info``) in every process of a run (``multigpu run --log-level``); :mod:`multigpu.log`.
 * ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
   (:mod:`multigpu.membership`); never set it in a real run.
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
@@ -97,6 +99,7 @@ MIN_DEVICES = "MULTIGPU_MIN_DEVICES"
 FAULT = "MULTIGPU_FAULT"
 REJOIN = "MULTIGPU_REJOIN"
 SHARED_ARRAYS = "MULTIGPU_SHARED_ARRAYS"
+LOG_LEVEL = "MULTIGPU_LOG_LEVEL"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

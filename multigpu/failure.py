@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from multigpu import env
+from multigpu.log import logger as log
 
 __all__ = ["fail", "failed", "identify", "note_failure", "note_thread_failure", "read_failure", "read_note",
            "write_failure", "write_note"]
@@ -41,7 +42,7 @@ def fail(reason: str) -> None:
     who = f"rank {_WHO[0]} ({_WHO[1]})" if _WHO else "multigpu"
     write_failure(_WHO[0] if _WHO else 0, reason)
     try:
-        print(f"multigpu: {who}: {reason}", file=sys.stderr, flush=True)
+        log.error(f"{who}: {reason}")
         sys.stdout.flush()
     finally:
         os._exit(1)

@@ -148,3 +148,55 @@ def test_every_command_says_what_it_does_with_an_example(capsys):
             main([name, "--help"])
         out = capsys.readouterr().out
         assert f"multigpu {name}" in out.split("options:")[0].split("\n", 2)[-1], (name, out)
+
+
+def test_messages_go_through_the_multigpu_logger_and_its_level_quiets_them(capsys):
+    import logging
+
+    from multigpu import log
+
+    before = log.logger.level
+    try:
+        log.logger.info("a notice")
+        log.logger.warning("a warning")
+        out = capsys.readouterr()
+        assert out.out == "multigpu: a notice\n" and out.err == "multigpu: a warning\n"
+        log.set_level("warning")
+        log.logger.info("hidden")
+        log.logger.error("failed", extra={"source": "multigpu run"})
+        out = capsys.readouterr()
+        assert out.out == "" and out.err == "multigpu run: failed\n"
+        with pytest.raises(ValueError, match="must be one of debug, info, warning, error. Received: 'loud'"):
+            log.set_level("loud")
+        assert logging.getLogger("multigpu").level == logging.WARNING
+    finally:
+        log.logger.setLevel(before)
+
+
+def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tmp_path):
+    from multigpu import env, log
+    from multigpu.cli import run
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def detect(environ):
+        seen["level"] = environ.get(env.LOG_LEVEL)
+        raise Stop
+
+    monkeypatch.setattr(run.environments, "detect", detect)
+    monkeypatch.delenv(env.LOG_LEVEL, raising=False)
+    before = log.logger.level
+    script = tmp_path / "train.py"
+    script.write_text("")
+    try:
+        with pytest.raises(Stop):
+            from multigpu.cli.main import main
+
+            main(["run", "--log-level", "error", "--devices", "cpu:0", "cpu:1", str(script)])
+        assert seen["level"] == "error" and log.logger.level == 40
+    finally:
+        log.logger.setLevel(before)
+        monkeypatch.delenv(env.LOG_LEVEL, raising=False)

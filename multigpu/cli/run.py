@@ -24,12 +24,13 @@ import sys
 
 from multigpu import backend, env
 from multigpu.devices import assign_cores, parse_devices
+from multigpu.log import LEVELS, set_level
 from multigpu.planning.shares import parse_ratios
 from multigpu.runtime import environments
 from multigpu.runtime.supervisor import Supervisor
 
 # The flags of ``run`` that take a value, besides ``--devices``: the command line's scan for the script skips them.
-VALUE_FLAGS = (("--ratios",), ("--timeout",), ("--max-restarts",), ("--min-devices",))
+VALUE_FLAGS = (("--ratios",), ("--timeout",), ("--max-restarts",), ("--min-devices",), ("--log-level",))
 
 
 def add_parser(sub) -> None:
@@ -47,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--min-devices", type=int, default=None,
                    help="go on without a lost device while this many are left, for a script that passes no "
                         "min_devices (torch; default: a lost device ends the run)")
+    p.add_argument("--log-level", default=None, choices=LEVELS,
+                   help="multigpu's messages in every process of the run: debug, info (default), warning, error")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -59,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-restarts must be >= 0. Received: {args.max_restarts}")
     if args.timeout is not None and args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0. Received: {args.timeout}")
+    if args.log_level is not None:  # the ranks read it when they import multigpu; this process at once
+        env.put(env.LOG_LEVEL, args.log_level)
+        set_level(args.log_level)
     found = environments.detect(env.copy())
     if found is not None and not found.knows_every_device:
         return _become_the_rank(args)

@@ -22,6 +22,7 @@ from multigpu.data.sources import source_for
 from multigpu.keras.callbacks import EpochHooks, for_rank
 from multigpu.keras.data import ShardedData
 from multigpu.keras.own_loops import own_methods
+from multigpu.log import logger as log
 
 __all__ = ["Loops"]
 
@@ -181,12 +182,9 @@ class Loops:
         if not getattr(comm, "joining", False):
             return None
         if not rejoinable:  # the others go on without it
-            import sys
-
-            print(f"multigpu: rank {self.rank} cannot rejoin this fit(): a lost rank comes back in a fit() on "
-                  "arrays or tensors held in memory over whole epochs (no steps_per_epoch), whose batches it can "
-                  f"start at the others' step; this one reads x of type {type(x).__name__}. It leaves the run.",
-                  file=sys.stderr, flush=True)
+            log.error(f"rank {self.rank} cannot rejoin this fit(): a lost rank comes back in a fit() on "
+                      "arrays or tensors held in memory over whole epochs (no steps_per_epoch), whose batches it can "
+                      f"start at the others' step; this one reads x of type {type(x).__name__}. It leaves the run.")
             raise SystemExit(0)
         return comm.rejoin()
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from multigpu import backend, env
 from multigpu.devices import Device, assign_cores, parse_devices
 from multigpu.failure import fail, failed, identify, note_failure, note_thread_failure
+from multigpu.log import logger as log
 from multigpu.runtime import environments
 from multigpu.runtime.environments import Environment
 from multigpu.runtime.processes import command
@@ -195,8 +196,8 @@ def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
         limit_memory(runtime.device.memory)  # after the join: the device's memory is the training's
         if found is not None and not found.knows_every_device and found.rank == 0:
             machines = found.world_size // max(1, found.local_size)
-            print(f"multigpu: started by {found.name}: {found.world_size} ranks on {machines} machine(s), "
-                  f"rendezvous at {found.master_addr}:{found.master_port}", flush=True)
+            log.info(f"started by {found.name}: {found.world_size} ranks on {machines} machine(s), "
+                     f"rendezvous at {found.master_addr}:{found.master_port}")
     return runtime
 
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from multigpu import env, membership
 from multigpu.devices import Device
 from multigpu.failure import read_failure
+from multigpu.log import logger as log
 from multigpu.runtime.processes import (
     die_with_parent,
     loopback_listener,
@@ -234,9 +235,9 @@ class Supervisor:
                f"{membership.LOST_AFTER:g} s)" if code == -signal.SIGSTOP else _describe_code(code))
         label = self.devices[rank].label
         if len(left) < floor:
-            print(f"multigpu: rank {rank} ({label}) {why}; {len(left)} device(s) left "
-                  f"({', '.join(self.devices[r].label for r in left)}), fewer than min_devices={floor}: "
-                  "ending the run.", file=sys.stderr, flush=True)
+            log.error(f"rank {rank} ({label}) {why}; {len(left)} device(s) left "
+                      f"({', '.join(self.devices[r].label for r in left)}), fewer than min_devices={floor}: "
+                      "ending the run.")
             return False
         if proc.poll() is None:
             proc.kill()
@@ -248,8 +249,8 @@ class Supervisor:
             membership.write(self.run_dir, membership.Members(
                 (old.generation if old else 0) + 1, tuple(left), (*(old.lost if old else ()), entry),
                 old.joined if old else ()))
-        print(f"multigpu: rank {rank} ({label}) {why}; going on with {len(left)} device(s): "
-              f"{', '.join(self.devices[r].label for r in left)}.", file=sys.stderr, flush=True)
+        log.warning(f"rank {rank} ({label}) {why}; going on with {len(left)} device(s): "
+                    f"{', '.join(self.devices[r].label for r in left)}.")
         if self.restarts_left > 0:
             self.restarts_left -= 1
             membership.forget_rank(self.run_dir, rank)
@@ -257,8 +258,8 @@ class Supervisor:
             self.procs[rank] = self._spawn(rank, rejoin=True)
             self.lost.pop(rank)  # watched again: a failure of the new process is one
             self.joining[rank] = time.time()
-            print(f"multigpu: starting rank {rank} ({label}) again; it rejoins at a step of fit "
-                  f"({self.restarts_left} restart(s) left).", file=sys.stderr, flush=True)
+            log.warning(f"starting rank {rank} ({label}) again; it rejoins at a step of fit "
+                        f"({self.restarts_left} restart(s) left).")
         return True
 
     def _members(self) -> list[int]:
@@ -279,8 +280,8 @@ class Supervisor:
             membership.write(self.run_dir, membership.Members(
                 generation, members, old.lost if old else (), (*(old.joined if old else ()), entry)))
             self.admitted[rank] = generation
-            print(f"multigpu: rank {rank} ({label}) is ready again ({time.time() - started:.1f} s after its "
-                  "start); the others take it in at their next step.", file=sys.stderr, flush=True)
+            log.info(f"rank {rank} ({label}) is ready again ({time.time() - started:.1f} s after its "
+                     "start); the others take it in at their next step.")
 
     def describe_failure(self, code: int, rank: int) -> str:
         """``rank 1 (CPU:1) exited with code 1: <the reason the rank gave>``."""
@@ -334,14 +335,14 @@ class Supervisor:
                 if failed is None:
                     self._cleanup()
                     return 0
-                print(f"{prefix}: {self.describe_failure(code, failed)}; stopping the other ranks.",
-                      file=sys.stderr, flush=True)
+                log.error(f"{self.describe_failure(code, failed)}; stopping the other ranks.",
+                          extra={"source": prefix})
                 self.stop()
                 if self.restarts_left <= 0:
                     return code if code > 0 else 1
                 self.restarts_left -= 1
-                print(f"{prefix}: restarting all ranks ({max_restarts - self.restarts_left} of {max_restarts}).",
-                      file=sys.stderr, flush=True)
+                log.warning(f"restarting all ranks ({max_restarts - self.restarts_left} of {max_restarts}).",
+                            extra={"source": prefix})
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)

@@ -34,6 +34,7 @@ import torch
 from multigpu import failure
 from multigpu.balancing.memory import RowMemory
 from multigpu.devices import format_size
+from multigpu.log import logger as log
 from multigpu.throttle import give_back_memory, memory_limit, private_memory, reset_peak_memory, resident_memory
 
 __all__ = ["DeviceMemory", "OutOfMemoryStepError"]
@@ -172,8 +173,8 @@ class DeviceMemory:
                 total = self.balancer.batch_size or 0
                 shares = "/".join(f"{s / total:.0%}" for s in self.balancer.shares(total)) if total else ""
                 how = self.describe() if r == self.comm.rank else ""
-                print(f"multigpu: {devices[r].label} holds at most {cap} rows"
-                      f"{f' ({how})' if how else ''}: shares {shares} of {total}.", flush=True)
+                log.info(f"{devices[r].label} holds at most {cap} rows"
+                         f"{f' ({how})' if how else ''}: shares {shares} of {total}.")
         if any(short):
             raise OutOfMemoryStepError(short)
 
@@ -208,9 +209,9 @@ class DeviceMemory:
             capped = ", ".join(f"{devices[r].label} holds at most {caps[r]} rows"
                                for r, rows in enumerate(short.rows) if rows)
             shares = ", ".join(f"{devices[r].label} {new_plan.sizes[r]}" for r in members)
-            print(f"multigpu: out of memory on {ran_out}: {capped}; the step again with rows {shares} of "
-                  f"{new_plan.total} ({time.time() - short.at + (time.perf_counter() - began):.2f} s after the "
-                  "error).", flush=True)
+            log.info(f"out of memory on {ran_out}: {capped}; the step again with rows {shares} of "
+                     f"{new_plan.total} ({time.time() - short.at + (time.perf_counter() - began):.2f} s after the "
+                     "error).")
         return data, new_plan
 
     def _fixed_ratios_do_not_fit(self, rank: int, rows: int, fits: int, plan) -> None:

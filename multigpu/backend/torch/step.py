@@ -57,6 +57,7 @@ from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
 from multigpu.balancing.timing import StepRecord
+from multigpu.log import logger as log
 
 __all__ = ["TorchSteps"]
 
@@ -184,9 +185,9 @@ class TorchSteps(StepsCore):
         entry = lost.members.lost[-1]
         if ahead is not None and self.comm.rank == self.comm.leader:
             others = [r for r in self.comm.members if r not in ahead]
-            print(f"multigpu: the sum of step {seen[ahead[0]]['at'][1]} reached rank(s) {ahead} and not {others} "
-                  f"before rank {entry['rank']} was lost: rank(s) {others} took rank {ahead[0]}'s weights, optimizer "
-                  f"state and logs of that step ({time.perf_counter() - began:.2f} s).", flush=True)
+            log.info(f"the sum of step {seen[ahead[0]]['at'][1]} reached rank(s) {ahead} and not {others} "
+                     f"before rank {entry['rank']} was lost: rank(s) {others} took rank {ahead[0]}'s weights, "
+                     f"optimizer state and logs of that step ({time.perf_counter() - began:.2f} s).")
         if behind:
             return None, None, logs
         again = self.balancer.planner.again(for_step)
@@ -201,10 +202,10 @@ class TorchSteps(StepsCore):
             done = where["done"]
             at = f"step {done[0] + 1}" if for_step and done else "a validation batch"
             n = len(self.comm.members)
-            print(f"multigpu: lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {at} again on "
-                  f"{n} device{'s' if n > 1 else ''}, "
-                  f"rows {shares} of {plan.total}; {time.time() - entry['at']:.1f} s after the loss "
-                  f"({time.perf_counter() - began:.2f} s to agree).", flush=True)
+            log.info(f"lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {at} again on "
+                     f"{n} device{'s' if n > 1 else ''}, "
+                     f"rows {shares} of {plan.total}; {time.time() - entry['at']:.1f} s after the loss "
+                     f"({time.perf_counter() - began:.2f} s to agree).")
         return data, plan, None
 
     def _ahead(self, seen: list) -> list[int] | None:
@@ -300,9 +301,8 @@ class TorchSteps(StepsCore):
             losses = {e["rank"]: e["at"] for e in found.lost}
             since = "; ".join(f"{time.time() - losses[r]:.1f} s after its loss" for r in newcomers if r in losses)
             shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
-            print(f"multigpu: {came} rejoined at epoch {position['epoch'] + 1}, step {position['step'] + 1}: rows "
-                  f"{shares} of {plan.total}; {since} ({time.perf_counter() - began:.2f} s to take it in).",
-                  flush=True)
+            log.info(f"{came} rejoined at epoch {position['epoch'] + 1}, step {position['step'] + 1}: rows "
+                     f"{shares} of {plan.total}; {since} ({time.perf_counter() - began:.2f} s to take it in).")
         return plan, data
 
     def _train_on(self, data, x, y, sample_weight, plan):
