@@ -166,7 +166,7 @@ def test_messages_go_through_the_multigpu_logger_and_its_level_quiets_them(capsy
         log.logger.error("failed", extra={"source": "multigpu run"})
         out = capsys.readouterr()
         assert out.out == "" and out.err == "multigpu run: failed\n"
-        with pytest.raises(ValueError, match="must be one of debug, info, warning, error. Received: 'loud'"):
+        with pytest.raises(ValueError, match=r"must be one of debug, info, warning, error\. Received: 'loud'"):
             log.set_level("loud")
         assert logging.getLogger("multigpu").level == logging.WARNING
     finally:
@@ -179,12 +179,12 @@ def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tm
 
     seen = {}
 
-    class Stop(Exception):
+    class StopError(Exception):
         pass
 
     def detect(environ):
         seen["level"] = environ.get(env.LOG_LEVEL)
-        raise Stop
+        raise StopError
 
     monkeypatch.setattr(run.environments, "detect", detect)
     monkeypatch.delenv(env.LOG_LEVEL, raising=False)
@@ -192,7 +192,7 @@ def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tm
     script = tmp_path / "train.py"
     script.write_text("")
     try:
-        with pytest.raises(Stop):
+        with pytest.raises(StopError):
             from multigpu.cli.main import main
 
             main(["run", "--log-level", "error", "--devices", "cpu:0", "cpu:1", str(script)])
