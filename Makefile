@@ -5,17 +5,20 @@ BIN    := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-tf
+# The torch to install first (a pip requirement and its options): a GPU machine names its CUDA build, e.g.
+# make demo TORCH="torch --index-url https://download.pytorch.org/whl/cu126"
+TORCH ?= torch==2.13.0
 # `make demo` runs on the caller's KERAS_BACKEND (torch when unset); every other target sets its own.
 DEMO_BACKEND := $(or $(KERAS_BACKEND),torch)
 export KERAS_BACKEND := torch
 
-.PHONY: demo test gpu-check test-examples test-outside test-launchers lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
+.PHONY: demo test docs gpu-check test-examples test-outside test-launchers lint bench compat keras-suite keras-suite-jax keras-suite-tf clean
 
 # What `make demo` needs, and nothing else: torch's CPU build, multigpu (Keras with it) and matplotlib for the
 # chart. The CPU build of torch first: an unpinned `torch` can pull a CUDA build of several GB.
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e ".[plot]"
 	touch $(DEMO_STAMP)
 
@@ -45,10 +48,19 @@ demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(if $(filter jax,
 		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)); } || true
 	KERAS_BACKEND=$(DEMO_BACKEND) $(BIN)/python examples/demo.py $(ARGS)
 
-lint: $(STAMP)
-	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite
+# The documentation site (docs/, mkdocs.yml) into site/: --strict, so that a broken link or reference fails.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(DEMO_STAMP)
+	$(BIN)/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11"
+	touch $(DOCS_STAMP)
 
-test: $(TEST_STAMP) lint
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+lint: $(STAMP)
+	$(BIN)/ruff check multigpu tests benchmarks examples keras_suite docs
+
+test: $(TEST_STAMP) lint docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/test_examples.py \
 		-m "not outside"
 

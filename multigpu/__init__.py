@@ -18,4 +18,4 @@ from multigpu.runtime.load_once import load_once
 
 __all__ = ["RankError", "launch", "list_devices", "load_once", "multi_gpu_model", "parallelize", "rank", "state",
            "unparallelize", "world_size"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

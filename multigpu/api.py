@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from multigpu import backend, env
 from multigpu.devices import Device, usable_cores
+from multigpu.log import logger as log
 from multigpu.planning.shares import RatioSpec, parse_ratios, validate_ratios
 from multigpu.runtime import runtime as _runtime
 
@@ -340,17 +341,17 @@ def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
 
 
 def _log_on_leader(comm):
-    def log(message: str) -> None:
+    def say(message: str) -> None:
         if comm.rank == getattr(comm, "leader", 0):
-            log.info(f"{message}")
-    return log
+            log.info(message)
+    return say
 
 
 def _log_on_rank0(rank_: int):
-    def log(message: str) -> None:
+    def say(message: str) -> None:
         if rank_ == 0:
-            log.info(f"{message}")
-    return log
+            log.info(message)
+    return say
 
 
 def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,

@@ -183,12 +183,25 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
     num_gpus = gpus() if kind == "cuda" else 0
     if kind == "cuda" and index >= num_gpus:
         hint = (
-            " This machine has no GPU: use CPU devices such as 'cpu:0', 'cpu:1'."
+            (_unusable_gpus() or " This machine has no GPU: use CPU devices such as 'cpu:0', 'cpu:1'.")
             if num_gpus == 0
             else f" Visible GPUs: {', '.join(f'cuda:{i}' for i in range(num_gpus))}."
         )
         raise ValueError(f"Device {item!r} does not exist.{hint}")
     return Device(kind, index, speed, memory=memory)
+
+
+def _unusable_gpus() -> str:
+    """Why the GPUs the NVIDIA driver lists cannot be used, when it lists some (a CPU build of torch, most
+    often), else ``""``."""
+    listed = driver_gpu_count()
+    if not listed:
+        return ""
+    backend = env.get("KERAS_BACKEND") or "torch"
+    return (f" The NVIDIA driver lists {listed} GPU(s), but Keras's {backend} backend cannot use them: its build "
+            "has no CUDA (a CPU build of torch, jax or tensorflow). Install a CUDA build first, e.g. "
+            "`pip install torch --index-url https://download.pytorch.org/whl/cu126`; `multigpu devices` shows "
+            "the versions in use.")
 
 
 def looks_like_devices(text: str) -> bool:
@@ -226,6 +239,11 @@ def parse_devices(
     if devices is None or (isinstance(devices, str) and devices.strip().lower() == "auto"):
         if gpus():
             return [Device("cuda", i) for i in range(gpus())]
+        unusable = _unusable_gpus()
+        if unusable and num_gpus is not None:
+            from multigpu._warn import warn_user
+
+            warn_user(f"devices='auto' takes CPU devices.{unusable}")
         count = max(1, min(len(usable_cores()), _MAX_AUTO_CPU_DEVICES))
         return [Device("cpu", i) for i in range(count)]
     if isinstance(devices, (str, int, Device)):

@@ -85,3 +85,19 @@ def test_a_gpu_device_on_a_jax_without_gpus_fails_naming_the_version():
     check_platform(Device("cpu", 1), "cpu", "0.10.2")
     with pytest.raises(RuntimeError, match=r"'cuda:1' is a GPU, but jax 0.10.2 found no GPU.*jax\[cuda12\]"):
         check_platform(Device("cuda", 1), "cpu", "0.10.2")
+
+
+def test_gpus_the_driver_lists_but_the_backend_cannot_use_are_named_not_passed_over(monkeypatch):
+    """A CPU build of torch on a machine whose driver lists GPUs: ``auto`` says why it takes CPU devices, and
+    asking for a GPU says the same instead of "no GPU"."""
+    from multigpu import devices
+
+    monkeypatch.setattr(devices, "driver_gpu_count", lambda root="": 2)
+    with pytest.warns(UserWarning, match=r"driver lists 2 GPU\(s\), but Keras's torch backend cannot use them"):
+        found = devices.parse_devices("auto", num_gpus=0)
+    assert all(d.kind == "cpu" for d in found)
+    with pytest.raises(ValueError, match=r"Device 0 does not exist\. The NVIDIA driver lists 2 GPU\(s\).*CUDA build"):
+        devices.parse_devices([0], num_gpus=0)
+    monkeypatch.setattr(devices, "driver_gpu_count", lambda root="": 0)
+    with pytest.raises(ValueError, match="This machine has no GPU"):
+        devices.parse_devices([0], num_gpus=0)

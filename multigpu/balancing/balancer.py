@@ -139,6 +139,7 @@ class LoadBalancer:
         self._before_loss: dict[int, float] = {}  # a lost rank's ratio when it was lost
         self._settle_by = SETTLE_STEPS  # steps of a fit by which its search settles
         self._fit_start = 0  # the planner's steps when this fit began: the search settles by ``_settle_by`` more
+        self._announced = False  # the run's devices and shares said once, at its first fit
 
     def ratios_with(self, ranks: Sequence[int]) -> list[float]:
         """The ratios with lost ``ranks`` back: fixed ratios as given, automatic ones as they were at the loss."""
@@ -266,7 +267,24 @@ class LoadBalancer:
         self._signature = signature
         if not self.calibrated and not self.options.recalibrate:
             self._from_profile()
+        self._announce(batch_size)
         self._start_search()
+
+    def _announce(self, batch_size: int | None) -> None:
+        """Says once which devices the run uses and how the first batch is split (rank 0)."""
+        if self._announced:
+            return
+        self._announced = True
+        line = f"{self.world_size} devices ({', '.join(d.label for d in self.devices)})"
+        if batch_size:
+            rows = self.shares(batch_size)
+            line += (f", shares {describe_shares(self.ratios)} ({' + '.join(map(str, rows))} rows of each batch "
+                     f"of {batch_size})")
+        if not self.calibrated:
+            line += "; measuring each device at the first step, then searching the shares"
+        elif not self.options.auto:
+            line += f", by ratios {':'.join(f'{r:g}' for r in self.ratios)}"
+        self._log(line)
 
     def _profile_path(self) -> Path:
         return Path(self.options.profile) if self.options.profile else default_profile_path()
