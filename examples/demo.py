@@ -168,7 +168,7 @@ def plot(path: Path, labels, computing, alone, total: float, one: float) -> None
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     xs = list(range(len(labels)))
     ax.bar([x - 0.2 for x in xs], computing, 0.4, color="tab:blue", label="computing, in this run")
-    ax.bar([x + 0.2 for x in xs], alone, 0.4, color="tab:gray", label="alone (measured before training)")
+    ax.bar([x + 0.2 for x in xs], alone, 0.4, color="tab:gray", label="alone (mean of runs before and after training)")
     ax.bar([len(labels)], [total], 0.6, color="tab:green", label="all devices, end to end")
     ax.bar([len(labels) + 1], [one], 0.6, color="tab:olive", label="one full-speed device, end to end")
     ax.set_xticks([*xs, len(labels), len(labels) + 1], [*labels, "total", "1 device"])
@@ -204,8 +204,12 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def report(state, batch: int, total: float, one: float | None) -> None:
-    """Shares, each device's speed in the run beside alone, the total and the speedup, with what it measured."""
+def report(state, batch: int, total: float, one: float | None, alone_runs: tuple[float, ...] = ()) -> None:
+    """Shares, each device's speed in the run beside alone, the total and the speedup, with what it measured.
+
+    ``alone_runs``: the one-device rates measured before and after training, whose mean is ``one``: their
+    spread is printed beside the speedup, so a machine whose speed drifts during the run shows it.
+    """
     last = (state.last_report or {}).get("devices") or []
     shares = state.shares(batch)
     print(f"\n{'device':<12}{'share':>7}{'batch':>7}{'computing':>11}{'alone':>9}{'waiting':>9}")
@@ -216,8 +220,8 @@ def report(state, batch: int, total: float, one: float | None) -> None:
         print(f"{dev.label:<12}{s / batch:>7.0%}{s:>7}{row.get('compute_samples_per_second', 0):>9.0f}/s"
               f"{alone:>7}/s{row.get('wait', 0) / step:>9.0%}")
     print(f"{'total':<12}{'100%':>7}{batch:>7}{total:>9.0f}/s  (training steps of the last epoch, end to end)")
-    print("(computing: samples/s while computing in this run; alone: one full-speed device alone, measured "
-          "before training, times the device's speed factor)")
+    print("(computing: samples/s while computing in this run; alone: one full-speed device alone, the mean of "
+          "its runs before and after training, times the device's speed factor)")
     if not one:
         return
     ideal = sum(d.speed for d in state.devices)
@@ -230,9 +234,14 @@ def report(state, batch: int, total: float, one: float | None) -> None:
            "memory bandwidth" if replayed else "the cores share caches and memory bandwidth")
     where = (f"the devices computed at {pace:.0%} of their speed alone ({why}), waited up to {waiting:.0%} of a "
              "step, and the rest is per-step work")
+    spread = ""
+    if len(alone_runs) > 1:
+        low, high = total / max(alone_runs), total / min(alone_runs)
+        spread = (f" (one device alone ran {', '.join(f'{r:.0f}' for r in alone_runs)} samples/s before and after "
+                  f"training: {low:.2f}x to {high:.2f}x by either alone)")
     if speedup >= 1.0:
         print(f"speedup: {speedup:.2f}x against one full-speed device alone ({one:.0f} samples/s, same model, data "
-              f"and batch); the speed factors add up to {ideal:.2f}: {where}.")
+              f"and batch){spread}; the speed factors add up to {ideal:.2f}: {where}.")
     else:
         print(f"no speedup on this machine: the {len(state.devices)} devices ran {total:.0f} samples/s, one "
               f"full-speed device alone {one:.0f} ({speedup:.2f}x). Measured: {where}. A larger --batch-size or "
@@ -274,7 +283,11 @@ def main() -> int:
         return 0
     state = multigpu.state(model)
     total = meter.rate()
-    report(state, a.batch_size, total, one)
+    alone_runs: tuple[float, ...] = ()
+    if one:  # measured again now, on the same core, while the other ranks wait: a drift of the machine cancels
+        alone_runs = (one, one_device_rate(a))
+        one = sum(alone_runs) / len(alone_runs)
+    report(state, a.batch_size, total, one, alone_runs)
     print(f"test accuracy: {acc:.4f} (loss {loss:.4f})")
     last = (state.last_report or {}).get("devices") or [{} for _ in state.devices]
     computing = [row.get("compute_samples_per_second", 0.0) for row in last]

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from multigpu import backend, env
 from multigpu.devices import Device, usable_cores
 from multigpu.log import logger as log
 from multigpu.planning.shares import RatioSpec, parse_ratios, validate_ratios
 from multigpu.runtime import runtime as _runtime
+
+if TYPE_CHECKING:  # Keras is imported when a model is parallelized, not when multigpu is
+    import keras
+
+    from multigpu.keras.parallel import State
 
 __all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "unparallelize", "world_size"]
 
@@ -88,7 +94,7 @@ def _from_profile(spec: RatioSpec, n: int) -> tuple[RatioSpec, bool]:
 
 
 def parallelize(
-    model,
+    model: keras.Model,
     devices: str | DeviceSpec | Sequence[DeviceSpec] | None = None,
     ratios: str | os.PathLike | Sequence[float] | None = None,
     *,
@@ -106,7 +112,7 @@ def parallelize(
     replay: bool | None = None,
     min_devices: int | None = None,
     shard_optimizer: bool = False,
-):
+) -> keras.Model:
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
     Call it once, after building the model and before ``compile``/``fit``.  In
@@ -354,8 +360,8 @@ def _log_on_rank0(rank_: int):
     return say
 
 
-def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
-                    ratios: str | Sequence[float] | None = None, **kwargs):
+def multi_gpu_model(model: keras.Model, gpus: int | Sequence[DeviceSpec] | str | None = None,
+                    ratios: str | Sequence[float] | None = None, **kwargs) -> keras.Model:
     """Drop-in replacement for the old ``keras.utils.multi_gpu_model``.
 
     Args:
@@ -395,7 +401,7 @@ def multi_gpu_model(model, gpus: int | Sequence[DeviceSpec] | str | None = None,
     return parallelize(model, devices=devices, ratios=ratios)
 
 
-def state(model):
+def state(model: keras.Model) -> State:
     """The run of a parallelized model, as it is now.
 
     Args:
@@ -411,7 +417,7 @@ def state(model):
     return _state(model)
 
 
-def unparallelize(model):
+def unparallelize(model: keras.Model) -> keras.Model:
     """Turns a parallel model back into a plain Keras model, in place (the inverse of :func:`parallelize`).
 
     Everything multigpu set on the model, its optimizers, its layers and

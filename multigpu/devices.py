@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multigpu import env
 
 __all__ = ["Device", "assign_cores", "driver_gpu_count", "driver_gpu_name", "format_size", "looks_like_devices",
-           "parse_devices", "parse_size", "usable_cores"]
+           "parse_devices", "parse_size", "unusable_gpus", "usable_cores"]
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|gpu)(?::(?P<index>\d+))?(?:@(?P<speed>[^@/]+))?"
                    r"(?:/(?P<memory>[^@/]+))?$")
@@ -183,7 +183,7 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
     num_gpus = gpus() if kind == "cuda" else 0
     if kind == "cuda" and index >= num_gpus:
         hint = (
-            (_unusable_gpus() or " This machine has no GPU: use CPU devices such as 'cpu:0', 'cpu:1'.")
+            (unusable_gpus() or " This machine has no GPU: use CPU devices such as 'cpu:0', 'cpu:1'.")
             if num_gpus == 0
             else f" Visible GPUs: {', '.join(f'cuda:{i}' for i in range(num_gpus))}."
         )
@@ -191,7 +191,7 @@ def _parse_one(item: object, gpus: Callable[[], int]) -> Device:
     return Device(kind, index, speed, memory=memory)
 
 
-def _unusable_gpus() -> str:
+def unusable_gpus() -> str:
     """Why the GPUs the NVIDIA driver lists cannot be used, when it lists some (a CPU build of torch, most
     often), else ``""``."""
     listed = driver_gpu_count()
@@ -239,7 +239,7 @@ def parse_devices(
     if devices is None or (isinstance(devices, str) and devices.strip().lower() == "auto"):
         if gpus():
             return [Device("cuda", i) for i in range(gpus())]
-        unusable = _unusable_gpus()
+        unusable = unusable_gpus()
         if unusable and num_gpus is not None:
             from multigpu._warn import warn_user
 

@@ -29,6 +29,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 # Cases that `make test` leaves to `make test-outside` (and `make test-launchers`) to stay within 15 minutes; each
 # is the second backend or the second ratio of a path that a sibling case checks in `make test`.
 OUTSIDE = {
+    "test_inputs.py::test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy[jax]":
+        "the same conversion, before any backend's code, on torch stays",
+    "test_inputs.py::test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy[tensorflow]":
+        "the same conversion, before any backend's code, on torch stays",
     "test_tfdata.py::test_tf_data_pipelines_reproduce_one_device[jax-1,2,5]": "tf.data on JAX at 3:1 stays",
     "test_inputs.py::test_loaders_with_workers_reproduce_one_device[jax-1,2,5]": "loaders on JAX at 3:1 stay",
     "test_jax.py::test_keras_features_on_jax": "the same features on torch (test_keras.py) and JAX's steps stay",

@@ -13,11 +13,29 @@ from multigpu.planning import parse_ratios
 DEVICES = [Device("cpu", 0, 1.0, (0,)), Device("cpu", 1, 0.5, (1,))]
 
 
-def make(spec="auto", rebalance=True, profile=None, **kw):
+def make(spec="auto", rebalance=True, profile=None, announced=False, **kw):
+    """A balancer and the lines it logs (without the run's first line, naming its devices, unless
+    ``announced``)."""
     lines = []
     options = BalanceOptions(parse_ratios(spec), auto=spec in ("auto", None), rebalance=rebalance,
                              profile=None if profile is None else str(profile), **kw)
-    return LoadBalancer(DEVICES, 0, options, lines.append), lines
+
+    def log(line: str) -> None:
+        if announced or not line.startswith(f"{len(DEVICES)} devices ("):
+            lines.append(line)
+    return LoadBalancer(DEVICES, 0, options, log), lines
+
+
+def test_the_first_fit_names_the_devices_and_the_split_once():
+    fixed, lines = make("3,1", rebalance=False, announced=True)
+    fixed.begin_fit(256, lambda: "sig")
+    fixed.begin_fit(128, lambda: "sig")
+    assert lines == ["2 devices (CPU:0, CPU:1@0.5), shares 75%/25% (192 + 64 rows of each batch of 256), "
+                     "by ratios 3:1"]
+    auto, lines = make("auto", announced=True)
+    auto.begin_fit(None, lambda: "sig")
+    assert lines == ["2 devices (CPU:0, CPU:1@0.5); measuring each device at the first step, then searching "
+                     "the shares"]
 
 
 def feed(balancer, speeds, steps, batch=128, overhead=0.0):

@@ -101,3 +101,16 @@ def test_gpus_the_driver_lists_but_the_backend_cannot_use_are_named_not_passed_o
     monkeypatch.setattr(devices, "driver_gpu_count", lambda root="": 0)
     with pytest.raises(ValueError, match="This machine has no GPU"):
         devices.parse_devices([0], num_gpus=0)
+
+
+def test_multigpu_devices_says_why_listed_gpus_are_not_usable(monkeypatch, capsys):
+    import argparse
+
+    from multigpu import devices
+    from multigpu.cli import devices as devices_cmd
+
+    monkeypatch.setattr(devices, "driver_gpu_count", lambda root="": 1)
+    assert devices_cmd.run(argparse.Namespace(json=False)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("GPUs not usable: The NVIDIA driver lists 1 GPU(s), but Keras's torch backend"), out
+    assert "No GPU found" not in out

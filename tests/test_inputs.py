@@ -120,15 +120,21 @@ def test_a_machine_whose_input_runs_out_early_ends_the_run_with_a_clear_error(ru
     assert runner.leftovers() == []
 
 
-def test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy(runner):
-    """A DataFrame and a Series for fit and its validation, ``jax.Array``s for evaluate and a ``tf.Tensor`` for
-    predict take the arrays' path and give what plain Keras gives on the same NumPy arrays."""
+ARRAY_BACKENDS = {**BACKENDS, "tensorflow": {"KERAS_BACKEND": "tensorflow"}}
+
+
+@pytest.mark.parametrize("backend", list(ARRAY_BACKENDS))
+def test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy(runner, backend, monkeypatch):
+    """fit on the backend's own arrays (pandas on torch, ``jax.Array`` on JAX, ``tf.Tensor`` on TensorFlow),
+    validation on a DataFrame and a Series, ``jax.Array``s for evaluate and a ``tf.Tensor`` for predict take the
+    arrays' path and give what plain Keras gives on the same NumPy arrays."""
     for module in ("pandas", "jax", "tensorflow"):
         pytest.importorskip(module, reason="make test installs pandas, jax and tensorflow-cpu")
-    plain = plain_run("array_forms.py", "torch", runner.tmp_path, 120)
+    monkeypatch.setitem(BACKENDS, "tensorflow", ARRAY_BACKENDS["tensorflow"])
+    plain = plain_run("array_forms.py", backend, runner.tmp_path, 120)
     out = runner.tmp_path / "par.npz"
     res = runner.cli("run", "--devices", "cpu:0", "cpu:1", "--ratios", "3,1", str(SCRIPTS / "array_forms.py"),
-                     str(out), timeout=150, extra_env=BACKENDS["torch"])
+                     str(out), timeout=150, extra_env=ARRAY_BACKENDS[backend])
     assert res.returncode == 0, res.stdout
     got = load(out)
     assert rel(plain["weights"], got["weights"]) < 1e-5

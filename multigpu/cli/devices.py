@@ -61,8 +61,11 @@ def collect() -> dict:
         versions["keras"] = "not installed"
     if facts:
         versions.update(facts.versions())
+    from multigpu.devices import driver_gpu_count, unusable_gpus
+
     return {
-        "gpus": gpus, "cpu_cores": len(cores), "devices": rows,
+        "gpus": gpus, "driver_gpus": driver_gpu_count(), "unusable_gpus": unusable_gpus().strip() if not gpus else "",
+        "cpu_cores": len(cores), "devices": rows,
         "versions": versions, "throttling": cgroup_status(), "keras_backend": backend.name(),
     }
 
@@ -76,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    if not info["gpus"]:
+    if info["unusable_gpus"]:
+        print(f"GPUs not usable: {info['unusable_gpus']}")
+    elif not info["gpus"]:
         print("No GPU found: CPU devices only (cpu:K, one or more cores each; cpu:K@0.5 for a slower one).")
     print(f"{'device':<10} {'name':<28} {'memory (free/total)':<22} detail")
     for row in info["devices"]:

@@ -29,7 +29,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from multigpu import env
 from multigpu.devices import Device, assign_cores, parse_devices
@@ -136,7 +138,8 @@ class _Output:
             sys.stdout.flush()
 
 
-def launch(fn, *args, devices="auto", ratios=None, **options):
+def launch(fn: Callable[..., Any], *args: Any, devices: str | Sequence = "auto",
+           ratios: str | Sequence[float] | None = None, **options: Any) -> Any:
     """Runs ``fn(*args)`` once per device; returns rank 0's return value.
 
     Inside ``fn``, ``multigpu.parallelize(model)`` joins the run, with the

@@ -34,6 +34,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -215,7 +216,7 @@ def _receive(address: bytes, timeout: float) -> int:
         time.sleep(0.02)
 
 
-def load_once(fn: Callable, *args, **kwargs):
+def load_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs ``fn(*args, **kwargs)`` once per machine; every process of the run there gets its arrays, shared.
 
     The NumPy arrays ``fn`` returns, in any nesting of tuples, lists and

@@ -3,8 +3,10 @@
     python array_forms.py OUT.npz --plain       # one device, plain Keras, NumPy arrays
     multigpu run --devices cpu:0,cpu:1 --ratios 3,1 array_forms.py OUT.npz
 
-The parallel run fits on a pandas DataFrame and Series (validation data
-too), evaluates on ``jax.Array``s and predicts on a TensorFlow tensor.
+The parallel run fits on the backend's own arrays where it has them
+(``jax.Array`` on JAX, ``tf.Tensor`` on TensorFlow) and on a pandas DataFrame
+and Series on torch, validates on pandas, evaluates on ``jax.Array``s and
+predicts on a TensorFlow tensor.
 Writes the weights, History, evaluation and predictions (rank R > 0:
 OUT.rankR.npz).
 """
@@ -43,7 +45,8 @@ def main() -> int:
         model = multigpu.parallelize(model, timeout=60)
         rank = multigpu.rank()
         frame = pd.DataFrame(x, columns=list("abcd"))
-        fit_x, fit_y = frame.iloc[:70], pd.Series(y[:70])
+        own = {"jax": jnp.asarray, "tensorflow": tf.constant}.get(keras.backend.backend())
+        fit_x, fit_y = (own(x[:70]), own(y[:70])) if own else (frame.iloc[:70], pd.Series(y[:70]))
         val = (frame.iloc[70:], pd.Series(y[70:]))
         eval_xy = (jnp.asarray(x), jnp.asarray(y))
         pred_x = tf.constant(x)
