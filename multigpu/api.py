@@ -329,8 +329,8 @@ def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
     from multigpu import membership
 
     supervised = runtime.environment is not None and runtime.environment.knows_every_device
-    if facts.name != "torch" or not supervised or not env.get(env.RUN_DIR):
-        where = (f"the {facts.name} backend" if facts.name != "torch"
+    if not facts.elastic or not supervised or not env.get(env.RUN_DIR):
+        where = (f"the {facts.name} backend" if not facts.elastic
                  else f"{runtime.environment.name if runtime.environment else 'this launcher'}")
         say(f"min_devices={min_devices}: on {where} a lost device ends the run (restart it with "
             "BackupAndRestore); going on without one needs torch under multigpu's own supervisor")
@@ -348,7 +348,7 @@ def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
 
 def _log_on_leader(comm):
     def say(message: str) -> None:
-        if comm.rank == getattr(comm, "leader", 0):
+        if comm.rank == comm.leader:
             log.info(message)
     return say
 

@@ -29,6 +29,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 # Cases that `make test` leaves to `make test-outside` (and `make test-launchers`) to stay within 15 minutes; each
 # is the second backend or the second ratio of a path that a sibling case checks in `make test`.
 OUTSIDE = {
+    "test_readme.py::test_pip_install_and_the_quickstart_in_a_fresh_environment":
+        "a fresh environment installs torch and Keras (minutes); the quickstart from the checkout stays",
     "test_inputs.py::test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy[jax]":
         "the same conversion, before any backend's code, on torch stays",
     "test_inputs.py::test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy[tensorflow]":

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "multigpu"
 # bottom to top; each entry is a top-level module or folder of multigpu/
 LAYERS = [
     {"env", "_warn"},
+    {"log"},
     {"failure", "membership", "devices", "throttle", "planning"},
     {"balancing", "_keras"},
     {"data", "backend"},

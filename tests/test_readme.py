@@ -34,3 +34,26 @@ def test_the_readme_stays_short_and_points_to_the_documentation():
     for needed in ("pip install keras-multigpu", "multigpu.parallelize(model)", "multigpu.rank()", "make docs",
                    "CONTRIBUTING.md"):
         assert needed in text, needed
+
+
+@pytest.mark.timeout(900)
+def test_pip_install_and_the_quickstart_in_a_fresh_environment(runner):
+    """What a new user does: a fresh virtual environment, a CPU torch, ``pip install`` of the checkout (not
+    editable), and the quickstart copied as written, run by the installed ``multigpu`` command."""
+    import subprocess
+    import sys
+
+    venv = runner.tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True, timeout=600, capture_output=True)
+    subprocess.run([*pip, str(README.parent)], check=True, timeout=600, capture_output=True)
+    script = runner.tmp_path / "train.py"
+    script.write_text(quickstart())
+    res = runner.run([str(venv / "bin" / "multigpu"), "run", "--devices", "cpu:0", "cpu:1", str(script)], 150)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "multigpu: 2 devices (CPU:0, CPU:1)" in res.stdout and res.stdout.count("final loss") == 1
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import multigpu; print(multigpu.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=runner.tmp_path).stdout
+    assert where.startswith(str(venv)), where  # the installed copy, not the checkout
+    assert runner.leftovers() == []

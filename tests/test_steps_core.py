@@ -32,6 +32,7 @@ class _Comm:
     def __init__(self, rank, devices):
         self.rank = rank
         self.runtime = _Runtime(devices)
+        self.rejoined = False
 
 
 class _Parallel:

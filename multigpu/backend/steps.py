@@ -138,7 +138,7 @@ class StepsCore:
         if self._initialized:
             return
         self._initialized = True
-        if getattr(self.comm, "rejoined", False):
+        if self.comm.rejoined:
             self._welcome_state()
             return
         seeds = _compat.seed_variables(self.model)

@@ -83,7 +83,7 @@ class Loops:
     @property
     def _writer(self) -> int:
         """0 on the rank that prints and writes (rank 0, or the lowest one left after it was lost), else 1."""
-        return 0 if self.rank == getattr(self.parallel.comm, "leader", 0) else 1
+        return 0 if self.rank == self.parallel.comm.leader else 1
 
     def _callbacks(self, callbacks) -> list:
         return for_rank(callbacks, self._writer, self.parallel.ledger)
@@ -179,7 +179,7 @@ class Loops:
         """On a lost rank started again: waits until the others take it in, and returns what they sent (the
         position of their ``fit``: ``seed``, ``epoch``, ``step``; the shares ``ratios``; the ranks still ``out``)."""
         comm = self.parallel.comm
-        if not getattr(comm, "joining", False):
+        if not comm.joining:
             return None
         if not rejoinable:  # the others go on without it
             log.error(f"rank {self.rank} cannot rejoin this fit(): a lost rank comes back in a fit() on "

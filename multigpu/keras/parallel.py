@@ -130,9 +130,8 @@ class ParallelModel:
         self.lost: list[dict] = []
         self.joined: list[dict] = []
         self.position = {"seed": 0, "epoch": 0, "step": 0}  # of the training data in fit: a returning rank's start
-        if hasattr(comm, "on_regroup"):
-            method = weakref.WeakMethod(self._regrouped)
-            comm.on_regroup(lambda members: method() and method()(members))
+        method = weakref.WeakMethod(self._regrouped)
+        comm.on_regroup(lambda members: method() and method()(members))
 
     def _regrouped(self, members) -> None:
         """A new group: a lost rank's shares go to the others from the next plan on (the step plans its batch
@@ -182,7 +181,7 @@ class ParallelModel:
         argument), every rank raises the same error.
         """
         while True:
-            leader = getattr(self.comm, "leader", 0)
+            leader = self.comm.leader
             error: Exception | None = None
             result = None
             membership.at("save", self.runtime.rank)
@@ -195,7 +194,7 @@ class ParallelModel:
                 error = exc
             failed = self.comm.sum_floats([1.0 if error is not None else 0.0],
                                           f"waiting for rank {leader} to write {os.fspath(filepath)!r}")[0]
-            if getattr(self.comm, "leader", 0) == leader:
+            if self.comm.leader == leader:
                 break  # else the writer was lost: the next rank writes it
         if failed:
             described = self.comm.gather_objects(

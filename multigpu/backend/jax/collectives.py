@@ -47,6 +47,15 @@ class Comm:
         self._rows = NamedSharding(mesh, PartitionSpec("ranks"))
         self._sum = jax.jit(lambda a: a.sum(axis=0, dtype=a.dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
+    # ------------------------------------------------------- the group
+    # A group that never shrinks (the backend is not elastic): every rank stays in it, rank 0 leads.
+    leader = 0
+    joining = False
+    rejoined = False
+
+    def on_regroup(self, listener) -> None:
+        """Takes a listener for new groups of survivors, which this backend never forms."""
+
     # ------------------------------------------------------------- errors
     @contextmanager
     def fatal(self, what: str):

@@ -38,6 +38,15 @@ class Comm:
         self.transport = self.engine.transport
         self.fatal = self.engine.fatal
 
+    # ------------------------------------------------------- the group
+    # A group that never shrinks (the backend is not elastic): every rank stays in it, rank 0 leads.
+    leader = 0
+    joining = False
+    rejoined = False
+
+    def on_regroup(self, listener) -> None:
+        """Takes a listener for new groups of survivors, which this backend never forms."""
+
     def reduce(self, vector, what: str = "summing gradients") -> np.ndarray:
         """The sum over ranks of a 1-D float32, float16 or bfloat16 array, as NumPy of the same dtype (valid
         until the next-but-one call)."""
