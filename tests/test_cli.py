@@ -174,8 +174,11 @@ def test_messages_go_through_the_multigpu_logger_and_its_level_quiets_them(capsy
 
 
 def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tmp_path):
+    import os
+
     from multigpu import env, log
     from multigpu.cli import run
+    from multigpu.cli.main import main
 
     seen = {}
 
@@ -187,16 +190,15 @@ def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tm
         raise StopError
 
     monkeypatch.setattr(run.environments, "detect", detect)
-    monkeypatch.delenv(env.LOG_LEVEL, raising=False)
-    before = log.logger.level
+    saved, level = os.environ.pop(env.LOG_LEVEL, None), log.logger.level
     script = tmp_path / "train.py"
     script.write_text("")
     try:
         with pytest.raises(StopError):
-            from multigpu.cli.main import main
-
             main(["run", "--log-level", "error", "--devices", "cpu:0", "cpu:1", str(script)])
         assert seen["level"] == "error" and log.logger.level == 40
-    finally:
-        log.logger.setLevel(before)
-        monkeypatch.delenv(env.LOG_LEVEL, raising=False)
+    finally:  # neither the level nor the variable may reach the tests after this one
+        log.logger.setLevel(level)
+        os.environ.pop(env.LOG_LEVEL, None)
+        if saved is not None:
+            os.environ[env.LOG_LEVEL] = saved
