@@ -162,13 +162,14 @@ def test_min_devices_says_where_a_lost_device_still_ends_the_run(monkeypatch, tm
 
     monkeypatch.setenv("MULTIGPU_RUN_DIR", str(tmp_path))
     monkeypatch.setattr(membership, "start_heartbeat", lambda rank: None)
-    torch_ = SimpleNamespace(name="torch")
+    torch_ = SimpleNamespace(name="torch", elastic=True)
     ours = SimpleNamespace(name="multigpu", knows_every_device=True)
     for devices, facts, environment, allowed, said in [
         (["cpu:0", "cpu:1"], torch_, ours, True, None),
         (["gpu:0", "gpu:1"], torch_, ours, False, "on GPUs alone (an NCCL group) a lost device ends the run"),
         (["gpu:0", "cpu:0"], torch_, ours, True, None),  # one gloo group for both
-        (["cpu:0", "cpu:1"], SimpleNamespace(name="jax"), ours, False, "on the jax backend a lost device ends"),
+        (["cpu:0", "cpu:1"], SimpleNamespace(name="jax", elastic=False), ours, False,
+         "on the jax backend a lost device ends"),
         (["cpu:0", "cpu:1"], torch_, SimpleNamespace(name="torchrun", knows_every_device=False), False,
          "on torchrun a lost device ends the run"),
     ]:
