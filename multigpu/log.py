@@ -8,8 +8,8 @@ more verbose, as with any library::
     logging.getLogger("multigpu").setLevel(logging.WARNING)   # errors and warnings only
 
 or, for every rank of a run, ``MULTIGPU_LOG_LEVEL=warning`` (``multigpu run
---log-level warning``).  A handler of the application's own takes over when
-it is added to this logger.
+--log-level warning``).  To send the messages elsewhere, replace this
+logger's handler: ``logger.handlers[:] = [your_handler]``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ def join_device_lists(argv: list[str]) -> list[str]:
     out: list[str] = []
     i = 0
     is_run = bool(argv) and argv[0] == "run"
-    takes_value = {a for action in run_cmd.VALUE_FLAGS for a in action}
     while i < len(argv):
         token = argv[i]
         out.append(token)
@@ -60,7 +59,7 @@ def join_device_lists(argv: list[str]) -> list[str]:
                 out.append(",".join(group))
         elif is_run and len(out) > 1 and not token.startswith("-"):
             return out + argv[i:]  # the script: the rest is its own
-        elif is_run and token in takes_value and i < len(argv):
+        elif is_run and token in run_cmd.VALUE_FLAGS and i < len(argv):
             out.append(argv[i])
             i += 1
     return out

@@ -30,7 +30,7 @@ from multigpu.runtime import environments
 from multigpu.runtime.supervisor import Supervisor
 
 # The flags of ``run`` that take a value, besides ``--devices``: the command line's scan for the script skips them.
-VALUE_FLAGS = (("--ratios",), ("--timeout",), ("--max-restarts",), ("--min-devices",), ("--log-level",))
+VALUE_FLAGS = ("--ratios", "--timeout", "--max-restarts", "--min-devices", "--log-level")
 
 
 def add_parser(sub) -> None:
