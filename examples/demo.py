@@ -39,7 +39,7 @@ def cuda_device_count() -> int:
     return sum(d.is_cuda for d in multigpu.list_devices())
 
 
-ALONE_STEPS = 12  # timed steps of the one-device run (after 3 untimed ones)
+ALONE_STEPS = 20  # timed steps of the one-device run (after 3 untimed ones)
 # On a CPU: chosen by benchmarks/bench_demo.py (see benchmarks/demo/README.md) so that two devices pay.
 DEFAULTS = {"cpu_width": 1.0, "batch": 512, "rows": 60000, "epochs": 4}
 

@@ -48,6 +48,10 @@ class Advice:
             end = "): undone" if e.kind == "undo" else ", scanning)"
             self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
                       f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}{end}")
+        elif e.kind == "recheck":
+            self._log(f"shares {describe_shares(e.before)} ran {e.throughput_after:.0f} samples/s against "
+                      f"{e.throughput_before:.0f} at {describe_shares(e.after)} ({e.reason}): measuring "
+                      f"{describe_shares(e.after)} again before keeping it")
         elif e.kind == "settle":
             rate = f" ({e.throughput_before:.0f} samples/s)" if e.throughput_before else ""
             self._log(f"shares settled at {describe_shares(e.after)}{rate}: {e.reason}")

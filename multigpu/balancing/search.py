@@ -14,7 +14,11 @@ in bursts, and communication competes with compute.  So the speeds only
   row once the measured shares allow it (:class:`StepCosts`): where the fixed
   part is large, the best shares give the slow device fewer rows than its
   speed says;
-* a move that pays is kept, and the next one goes further the same way;
+* a move that pays is kept only after the kept shares are measured once
+  more (A, B, A): it must beat the median of their last windows, this one
+  included, so that one low window at the kept shares (a burst of the
+  machine's own work) cannot keep a worse move; then the next move goes
+  further the same way;
 * a move that does not pay is undone; when both ways have failed at a step
   size the step is halved, until it is below one sample, or below
   ``min_step`` where each new local batch size costs a compilation (JAX):
@@ -121,6 +125,7 @@ class ShareSearch:
         self._strict = False  # the trial is the best of the scan
         self._jumps: set[tuple[int, ...]] = set()  # where this search has jumped to
         self._watched: list[float] = []  # recent windows at the settled shares
+        self._confirm: tuple[tuple[float, ...], tuple[int, int] | None, list[float], float] | None = None  # _confirmed
 
     @property
     def phase(self) -> str:
@@ -225,6 +230,8 @@ class ShareSearch:
         if self._trial is not None:
             self._costs.add(window)
             return self._judge(throughput)
+        if self._confirm is not None:
+            return self._confirmed(throughput)
         if not self.settled and self._base_runs and self._shifted(throughput):
             return self._rebase(throughput)
         if speeds is not None:
@@ -350,24 +357,56 @@ class ShareSearch:
         if measured > before * (1 + margin) and len(self._trial_runs) < 2:
             return []  # looks better: one more window to confirm before keeping it
         self._trial = None
-        self._strict = False
+        strict, self._strict = self._strict, False
         runs, self._trial_runs = self._trial_runs, []
-        throughput = measured
+        self.ratios = self.base
         if measured > before * (1 + margin):
-            old = self.base
-            self.base = trial
-            self._base_runs = runs
-            self.changes += 1
-            self._undone = 0
-            self._tried.clear()
-            if pair is not None:
-                self._momentum = pair
-                self._tried.add((pair[1], pair[0]))  # back is where we came from
-                self.step = min(self.step * self.tuning.growth, self.max_step)
-            else:
-                self._momentum = None
-                self.step = self.first_step
-            return [Event("keep", old, trial, before, throughput, f"{throughput / before - 1:+.1%}")]
+            # Looks better: the kept shares are measured once more before the move is kept.
+            self._confirm = (trial, pair, runs, self.tuning.strict_factor if strict else 1.0)
+            return [Event("recheck", trial, self.base, before, measured, f"{measured / before - 1:+.1%}")]
+        return self._undo(trial, pair, before, measured)
+
+    def _confirmed(self, throughput: float) -> list[Event]:
+        """The kept shares measured again after a move looked better: the move is kept only if it still beats them.
+
+        Their figure is now the median of their last three windows, this one included (the mean of two when
+        there are only two): a low window among them, or a machine that ran faster during the move than
+        before it, no longer keeps a move that does not pay.
+        """
+        trial, pair, runs, strictness = self._confirm  # type: ignore[misc]
+        self._confirm = None
+        last = self._base_runs[-1] if self._base_runs else throughput
+        self._noise.append(abs(throughput - last) / max((throughput + last) / 2, 1e-12))
+        self._base_runs = [*self._base_runs[-(self.tuning.base_windows - 1):], throughput]
+        recent = self._base_runs[-3:]
+        before = statistics.median(recent) if len(recent) >= 3 else statistics.fmean(recent)
+        measured = statistics.fmean(runs)
+        margin = self._margin() * strictness / math.sqrt(len(runs))
+        # Either way the next move can start now: the move's windows are its figure, and the kept shares were
+        # just measured.
+        if measured > before * (1 + margin):
+            return [*self._keep(trial, pair, runs, before, measured), *self._propose()]
+        events = self._undo(trial, pair, before, measured)
+        return events if self.settled else events + self._propose()
+
+    def _keep(self, trial, pair, runs: list[float], before: float, throughput: float) -> list[Event]:
+        old = self.base
+        self.base = trial
+        self.ratios = trial
+        self._base_runs = runs
+        self.changes += 1
+        self._undone = 0
+        self._tried.clear()
+        if pair is not None:
+            self._momentum = pair
+            self._tried.add((pair[1], pair[0]))  # back is where we came from
+            self.step = min(self.step * self.tuning.growth, self.max_step)
+        else:
+            self._momentum = None
+            self.step = self.first_step
+        return [Event("keep", old, trial, before, throughput, f"{throughput / before - 1:+.1%}")]
+
+    def _undo(self, trial, pair, before: float, throughput: float) -> list[Event]:
         self.ratios = self.base
         self._undone += 1
         if pair is not None:
@@ -392,10 +431,12 @@ class ShareSearch:
         candidate: tuple[tuple[float, ...], float, int] | None = None  # shares, measured, windows
         if self._trial is not None and self._trial[1] != "scan" and self._trial_runs:
             candidate = (self._trial[0], statistics.fmean(self._trial_runs), len(self._trial_runs))
+        elif self._confirm is not None:
+            candidate = (self._confirm[0], statistics.fmean(self._confirm[2]), len(self._confirm[2]))
         elif self._scanned:
             rate, best = max(self._scanned)
             candidate = (best, rate, 1)
-        self._trial, self._trial_runs = None, []
+        self._trial, self._trial_runs, self._confirm = None, [], None
         self._scan_queue, self._scanned = [], []
         self.ratios = self.base
         if candidate is not None and before > 0:

@@ -50,7 +50,9 @@ class Event:
         kind: ``"scan"`` (trying ``after`` for one window of the opening scan),
             ``"scanned"`` (what ``before`` measured there), ``"probe"`` (trying
             ``after``), ``"jump"`` (trying the shares the compute speeds call
-            for, or the best of the scan), ``"keep"``, ``"undo"``,
+            for, or the best of the scan), ``"recheck"`` (``before`` looked
+            better than the kept shares ``after``, which are measured once
+            more before it is kept), ``"keep"``, ``"undo"``,
             ``"settle"``, ``"restart"``, ``"rebase"`` (the kept shares were
             measured anew).
         before: the shares before the decision.
