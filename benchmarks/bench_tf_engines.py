@@ -10,7 +10,7 @@ printed for:
   ``all_reduce`` inside ``strategy.run`` in a ``tf.function``;
 * ``tf-auto``: the same with ``CommunicationImplementation.AUTO``;
 * ``gloo``: ``torch.distributed.all_reduce`` on gloo (a NumPy array's memory);
-* ``shm``: multigpu's shared-memory transport (``backend/torch/collectives.py``),
+* ``shm``: multigpu's shared-memory transport (``multigpu/engine/shm.py``),
   what the torch backend uses between CPU ranks of one machine.
 
 Usage::
@@ -86,8 +86,8 @@ def _torch(rank: int, port: int, transport: str, sizes, reps) -> dict:
     import torch
     import torch.distributed as dist
 
-    from multigpu.backend.torch.collectives import Comm
     from multigpu.devices import Device
+    from multigpu.engine.comm import Comm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

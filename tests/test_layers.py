@@ -5,6 +5,8 @@ Python but not from a reader).  The layers, bottom to top, are listed in
 :data:`LAYERS`; a module may import its own folder and any layer below.  Only
 ``backend/<name>/`` imports torch, JAX or TensorFlow (the readers of their
 own input types and the benchmark harness excepted: :data:`FRAMEWORK_USERS`),
+and ``engine/``, the torch.distributed engine that the torch and TensorFlow
+backends both sum on, imports torch alone; no backend folder imports another,
 and each backend declares its facts there.  Every Keras internal the package
 reaches is declared where ``compat.check`` looks it up.
 """
@@ -23,7 +25,7 @@ LAYERS = [
     {"env", "_warn"},
     {"log"},
     {"failure", "membership", "devices", "throttle", "planning"},
-    {"balancing", "_keras"},
+    {"balancing", "_keras", "engine"},
     {"data", "backend"},
     {"runtime", "keras"},
     {"api"},
@@ -121,11 +123,32 @@ def test_only_backends_import_a_framework():
         relative = path.relative_to(ROOT).as_posix()
         if relative.startswith("backend/") and relative.count("/") >= 2:
             continue  # backend/<name>/...
+        if relative.startswith("engine/") and _framework_imports(path) <= {"torch"}:
+            continue  # torch.distributed, the engine of the torch and TensorFlow backends
         if _framework_imports(path) and relative not in FRAMEWORK_USERS:
             wrong.append(f"{relative} imports {sorted(_framework_imports(path))}")
     assert wrong == [], "framework imports outside backend/<name>/: " + "; ".join(wrong)
     assert all((ROOT / p).exists() and _framework_imports(ROOT / p) for p in FRAMEWORK_USERS), \
         "an exception that no longer imports a framework: drop it"
+
+
+def test_no_backend_folder_imports_another():
+    """A backend is one folder: what two backends share lives below them (``backend/steps.py``, ``engine/``)."""
+    wrong = []
+    for path in sorted((ROOT / "backend").glob("*/**/*.py")):
+        own = path.relative_to(ROOT / "backend").parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["multigpu", "backend"] and len(parts) > 2 and (ROOT / "backend" / parts[2]).is_dir() \
+                        and parts[2] != own:
+                    wrong.append(f"backend/{path.relative_to(ROOT / 'backend').as_posix()} imports {name}")
+    assert wrong == [], wrong
 
 
 def test_every_backend_declares_its_facts_in_its_own_folder():
@@ -182,3 +205,48 @@ def test_the_compat_check_names_a_missing_internal_and_the_keras_version(monkeyp
     with pytest.raises(RuntimeError, match=rf"Keras {re.escape(keras.__version__)} does not have: "
                                            r"BatchNormalization\._moments_gone\. multigpu is tested with Keras"):
         compat.check()
+
+
+# ------------------------------------------------------------------ the layout CONTRIBUTING.md describes
+def _layout_sections() -> dict[str, str]:
+    """CONTRIBUTING.md's layout block, by entry: ``api.py``, ``backend/``, ``backend/torch/``, ..."""
+    text = (ROOT.parent / "CONTRIBUTING.md").read_text()
+    block = text.split("```\nmultigpu/\n", 1)[1].split("```", 1)[0]
+    sections: dict[str, str] = {}
+    name = ""
+    for line in block.splitlines():
+        head = re.match(r"^  (\S+)", line)
+        words = line
+        if head:
+            name = head.group(1)
+            words = line[len(head.group(0)):]
+        elif not line.startswith("   "):
+            name = ""  # the next top-level entry of the repository (benchmarks/, examples/, ...)
+        if name:
+            sections[name] = sections.get(name, "") + " " + words
+    # backend/'s entry names each backend's folder as `name/:`, followed by its modules
+    parts = re.split(r"\b(torch|jax|tensorflow)/:", sections.get("backend/", ""))
+    for i in range(1, len(parts) - 1, 2):
+        sections[f"backend/{parts[i]}/"] = parts[i + 1]
+    sections["backend/"] = parts[0]
+    return sections
+
+
+def test_the_layout_in_contributing_names_every_module_where_it_is():
+    """Every module of the package is named in CONTRIBUTING.md's layout, in its folder's entry, and every
+    module the layout names exists: the layout cannot drift from the tree again."""
+    sections = _layout_sections()
+    missing, gone = [], []
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if p.name != "__init__.py")
+    for relative in modules:
+        folder, _, name = relative.rpartition("/")
+        entry = f"{folder}/" if folder else name
+        named = entry in sections and (not folder or re.search(rf"(?<![\w.]){re.escape(name)}\b", sections[entry]))
+        if not named:
+            missing.append(relative)
+    for entry, words in sections.items():
+        if entry.endswith("/"):
+            for name in set(re.findall(r"(?<![\w./])(\w+\.py)\b", words)):
+                if not (ROOT / entry / name).exists() and name != "__init__.py":
+                    gone.append(f"{entry}{name}")
+    assert missing == [] and gone == [], f"not in CONTRIBUTING.md's layout: {missing}; named there, absent: {gone}"

@@ -306,6 +306,36 @@ def test_one_low_window_at_the_kept_shares_does_not_keep_a_worse_move():
     assert not worse_kept, worse_kept
 
 
+def test_where_throughput_cannot_tell_the_search_settles_nearest_the_speeds_balance():
+    """The demo's clone 1 (issue 52): on a machine whose windows spread 4%, shares 4 points apart measure within
+    the noise, and the search settled wherever its last kept move left it (61%/39%, the fast device waiting 16%
+    of each step).  When moves toward the balance the compute speeds call for measured within the noise of the
+    kept shares, the search now settles at the measured one nearest that balance: closer to the best on
+    average, from either side, than settling where it stood."""
+    from multigpu.balancing.tuning import Tuning
+
+    def hill(share):  # the best at 65%, where the compute speeds balance too
+        return 10000.0 * (1 - abs(share - 0.65))
+
+    def settled(seed, tuning, start):
+        search = ShareSearch([start, 1 - start], 256, tuning=tuning)
+        rng = random.Random(seed)
+        for _ in range(40):
+            shares = capped_split(256, search.ratios)
+            rate = hill(shares[0] / 256) * (1 + rng.gauss(0, 0.04 / search.window_factor() ** 0.5))
+            compute = (10 * shares[0] / 13500, 10 * shares[1] / 7270)
+            search.observe(Window(tuple(search.ratios), 2560, 2560 / rate, compute, tuple(10 * b for b in shares)))
+        if not search.settled:
+            search.time_up(400)  # the balancer's deadline: the search settles by the end of the second epoch
+        return abs(capped_split(256, search.ratios)[0] / 256 - 0.65)
+
+    for start in (0.61, 0.71):
+        tie = [settled(seed, Tuning(), start) for seed in range(30)]
+        stay = [settled(seed, Tuning(tie_imbalance=10.0), start) for seed in range(30)]
+        assert sum(tie) < 0.7 * sum(stay), (start, sum(tie), sum(stay))
+        assert max(tie) <= 0.05
+
+
 def test_the_scan_keeps_the_start_when_nothing_beats_it():
     """A single hill at the start: the scan's points all measure worse, and nothing moves far."""
     def hill(share):

@@ -7,7 +7,8 @@
 * :func:`build_optimizer`: builds an optimizer on the variables of its first update, as its ``apply`` would;
 * :func:`batchnorm_layers`: every ``BatchNormalization`` layer, nested ones included;
 * :func:`batchnorm_statistics`: their moving statistics, once each;
-* :func:`use_global_batchnorm`: every such layer trains with statistics a backend computes over ranks.
+* :func:`use_global_batchnorm`: every such layer trains with statistics a backend computes over ranks;
+* :func:`results_with_states`: Keras's metric results with every state replaced (by its sum over ranks).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import keras
 from multigpu._keras import compat as _compat
 
 __all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "build_optimizer", "optimizers_of",
-           "own_method", "use_global_batchnorm"]
+           "own_method", "results_with_states", "use_global_batchnorm"]
 
 
 def batch_rows(x) -> int:
@@ -107,3 +108,14 @@ def _or_local(layer, moments):
         return local_moments(inputs, mask)
 
     return either
+
+
+def results_with_states(model, metric_refs: list, values: list) -> dict:
+    """Keras's metric results of ``model`` with each of ``metric_refs`` replaced by its value in ``values``
+    (traced or eager, on any backend: the states summed over ranks become the global results)."""
+    with keras.StatelessScope(state_mapping=list(zip(metric_refs, values))):
+        out = {}
+        for metric in model.metrics:
+            value = metric.result()
+            out.update(value if isinstance(value, dict) else {metric.name: value})
+    return out

@@ -50,6 +50,18 @@ def check() -> str:
     return current
 
 
+def lazy(**where: str):
+    """A backend package's ``__getattr__``: each name imported from its module at first use, so that importing
+    the package imports no framework (``Steps="multigpu.backend.jax.step:JaxSteps"``)."""
+    def attribute(name: str):
+        if name not in where:
+            raise AttributeError(name)
+        module, _, attr = where[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    return attribute
+
+
 def get() -> ModuleType:
     """The module of the backend in use (``multigpu.backend.<name>``)."""
     return importlib.import_module(f"{__name__}.{check()}")

@@ -35,6 +35,7 @@ NumPy arrays, the variable transfers and the epoch-end BatchNorm average
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,9 +43,42 @@ import numpy as np
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batchnorm_statistics, optimizers_of, own_method
 
-__all__ = ["SEED_STRIDE", "StepsCore"]
+__all__ = ["SEED_STRIDE", "StepsCore", "time_alone"]
 
 SEED_STRIDE = 1_000_003  # rank r's seed variables are offset by r times this: Dropout draws differ per rank
+
+
+def time_alone(call: Callable[[], object], rows: int, *, first: Callable[[], object] | None = None, warmup: int = 0,
+               min_steps: int = 2, min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
+    """Samples/s of this rank's share of the step alone, as calibration measures it on every backend.
+
+    Args:
+        call: one pass over ``rows`` rows; one that returns ``False`` is not counted (torch: a pass that was
+            recorded for replay, not replayed).
+        rows: the rows of each pass.
+        first: an untimed first pass (a compilation, a trace), if any.
+        warmup: how many of the first calls are not counted.
+        min_steps: at least this many counted passes...
+        min_seconds: ...taking at least this long in all,
+        max_steps: or this many counted passes, whichever comes first.
+
+    Returns:
+        The samples/s of the counted passes, and the seconds the whole measurement took.
+    """
+    began = time.perf_counter()
+    if first is not None:
+        first()
+    timed: list[float] = []
+    calls = 0
+    while True:
+        t0 = time.perf_counter()
+        counted = call() is not False
+        calls += 1
+        if calls > warmup and counted:
+            timed.append(time.perf_counter() - t0)
+        if (len(timed) >= min_steps and sum(timed) >= min_seconds) or calls >= max_steps + warmup:
+            break
+    return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
 
 
 class StepsCore:
@@ -131,6 +165,27 @@ class StepsCore:
                 seen.add(id(v))
                 out.append(v)
         return out
+
+    # Keras's loop on JAX and TensorFlow calls functions the model makes: a backend's steps build them.
+    initialize_when_made = False  # the first function made also initializes (rank 0's weights everywhere)
+
+    def make_train_function(self, force: bool = False):
+        """Keras's ``make_train_function``: the backend's training function, built once (again with ``force``)."""
+        return self._made("train", force)
+
+    def make_test_function(self, force: bool = False):
+        """Keras's ``make_test_function``: the backend's test function, built once (again with ``force``)."""
+        return self._made("test", force)
+
+    def _made(self, kind: str, force: bool):
+        """``self._<kind>_function``, set as the model's ``<kind>_function`` (``_build_<kind>`` first if needed)."""
+        if self.initialize_when_made:
+            self._initialize()
+        if getattr(self, f"_{kind}") is None or force:
+            getattr(self, f"_build_{kind}")()
+        function = getattr(self, f"_{kind}_function")
+        setattr(self.model, f"{kind}_function", function)
+        return function
 
     def _initialize(self) -> None:
         """Rank 0's weights everywhere, and different random streams on every rank (once, at first use); on a

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from multigpu.balancing.windows import Window, normalize
+from multigpu.planning.shares import predicted_step_time
 
-__all__ = ["StepCosts"]
+__all__ = ["StepCosts", "suggest"]
 
 
 class StepCosts:
@@ -103,3 +104,34 @@ class StepCosts:
                 hi = t
         rows = [max(0.0, (hi - c) / k) for c, k in costs]
         return normalize(rows)
+
+
+def suggest(now: list[int], speeds: Sequence[float], fitted: list[tuple[float, float]] | None, costs: StepCosts,
+            rows: Callable[[Sequence[float]], list[int]]) -> tuple[tuple[int, int] | None, tuple[float, ...], float]:
+    """From the compute times at the current rows: the move they suggest, the shares they call for, the imbalance.
+
+    Args:
+        now: each device's rows per step.
+        speeds: each device's compute speed (samples/s), taken as proportional when ``fitted`` is None.
+        fitted: each device's ``(fixed, per_row)`` seconds (:meth:`StepCosts.fit`), or None.
+        costs: the fit (for :meth:`StepCosts.best_ratios`).
+        rows: shares as rows of a global batch.
+
+    Returns:
+        ``(from the busiest device, to the least busy)`` (None when one device is both), the shares they call
+        for, and the step time at ``now`` over the step time at those shares.
+    """
+    if fitted is not None:
+        load = [c + k * b for b, (c, k) in zip(now, fitted)]
+        proposal = costs.best_ratios(fitted)
+        best = StepCosts.step_time(rows(proposal), fitted)
+        now_time = StepCosts.step_time(now, fitted)
+    else:
+        load = [b / s for b, s in zip(now, speeds)]
+        proposal = normalize(speeds)
+        best = predicted_step_time(rows(proposal), speeds)
+        now_time = predicted_step_time(now, speeds)
+    src = max(range(len(load)), key=lambda r: (load[r], -r))
+    dst = min(range(len(load)), key=lambda r: (load[r], r))
+    imbalance = now_time / best if best > 0 else 1.0
+    return ((src, dst) if src != dst else None), tuple(proposal), imbalance

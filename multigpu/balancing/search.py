@@ -6,10 +6,9 @@ a PCIe switch or a power budget slow each other down, a throttled device runs
 in bursts, and communication competes with compute.  So the speeds only
 *propose* a move; the global samples/s measured after the move *judge* it:
 
-* first a scan: one window each at the shares the speeds call for and at a
-  few moves of 10% and 25% of the batch both ways; the best, if it beats the
-  start, is measured again like any move (throughput is not always one hill:
-  a throttled device given few rows runs them within its bursts);
+* first a scan (:mod:`multigpu.balancing.scan`): one window each at the
+  shares the speeds call for and at a few moves of 10% and 25% of the batch
+  both ways; the best, if it beats the start, is measured again like any move;
 * the speeds are fitted per device as a fixed cost per step plus a cost per
   row once the measured shares allow it (:class:`StepCosts`): where the fixed
   part is large, the best shares give the slow device fewer rows than its
@@ -30,13 +29,18 @@ in bursts, and communication competes with compute.  So the speeds only
   they run far from before (a device changed speed mid-search, and every
   move would be judged against a stale figure) moves are judged against the
   new figure, and a jump to the shares the speeds call for may be tried again;
-* once settled, the search stays settled and probes nothing: only a drop of
-  the throughput at the kept shares below the mean of its recent windows,
-  well beyond the measured noise, several windows in a row, starts it again
-  (the log says by how much), first with a jump to the shares the speeds
-  call for (a device that slowed down mid-run), judged like any move.  Every
-  probe is a window at worse shares and new local batch sizes, so a settled
-  run that kept probing would pay for it at every probe.
+* when the search settles, throughput may not have told the kept shares
+  from moves toward the balance the compute speeds call for (on a noisy
+  machine, shares 4 points apart measure within the windows' noise): it
+  then settles at the measured shares nearest that balance whose windows
+  were within the noise of the kept shares', unless a move on the way
+  measured clearly worse.  The speeds compare the devices within the same
+  steps, so a drift of the whole machine does not move them, while every
+  throughput comparison is between windows taken at different times;
+* once settled, the search stays settled and probes nothing until the
+  throughput at the kept shares falls well beyond its noise
+  (:mod:`multigpu.balancing.watch`); then it starts again, first with a jump
+  to the shares the speeds call for (a device that slowed down mid-run).
 
 Every rank feeds the same all-reduced windows to its own :class:`ShareSearch`,
 so all ranks take the same decisions without another collective.
@@ -49,12 +53,19 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from multigpu.balancing.costs import StepCosts
+from multigpu.balancing.costs import StepCosts, suggest
+from multigpu.balancing.figures import Figures
+from multigpu.balancing.scan import Scan
 from multigpu.balancing.tuning import Tuning
+from multigpu.balancing.watch import Watch
 from multigpu.balancing.windows import Event, Window, balance_efficiency, normalize
-from multigpu.planning.shares import capped_split, predicted_step_time
+from multigpu.planning.shares import capped_split
 
 __all__ = ["Event", "ShareSearch", "StepCosts", "Tuning", "Window", "balance_efficiency"]
+
+
+def _describe(ratios: Sequence[float]) -> str:
+    return "/".join(f"{r:.0%}" for r in ratios)
 
 
 @dataclass
@@ -107,24 +118,20 @@ class ShareSearch:
         self.ratios = normalize(self.ratios)
         self.base = tuple(self.ratios)
         self.step = self.first_step
-        self._base_runs: list[float] = []  # throughput of recent windows at `base`
-        self._noise: list[float] = []  # relative differences of successive windows at the same shares
+        self.figures = Figures(self.tuning, self.noise_floor)  # the kept shares' windows, the noise
         self._trial: tuple[tuple[float, ...], str, tuple[int, int] | None] | None = None
         self._tried: set[tuple[int, int]] = set()
         self._momentum: tuple[int, int] | None = None
-        self._reference = 0.0  # throughput when the search settled
-        self._alarms = 0
+        self.watch = Watch(self.tuning)  # the settled shares' throughput
         self._speeds: list[float] | None = None
         self._trial_runs: list[float] = []
         self._undone = 0  # undone moves since the last kept one
         self._costs = StepCosts(self.batch_size)
         self._window: Window | None = None  # the last window observed
-        self._scan_opened = False  # the opening scan's points were chosen (once per search object)
-        self._scan_queue: list[tuple[float, ...]] = []  # the scan's points not yet measured
-        self._scanned: list[tuple[float, tuple[float, ...]]] = []  # (samples/s, shares) of the scan's windows
+        self._scan = Scan(tuple(self.scan))
         self._strict = False  # the trial is the best of the scan
         self._jumps: set[tuple[int, ...]] = set()  # where this search has jumped to
-        self._watched: list[float] = []  # recent windows at the settled shares
+        self._judged: list[tuple[tuple[float, ...], float, int]] = []  # moves undone since the last kept one
         self._confirm: tuple[tuple[float, ...], tuple[int, int] | None, list[float], float] | None = None  # _confirmed
 
     @property
@@ -132,7 +139,7 @@ class ShareSearch:
         """``"scanning"`` (the opening scan), ``"searching"`` (moves judged one by one) or ``"settled"`` (watching)."""
         if self.settled:
             return "settled"
-        if self._scan_queue or (self._trial is not None and self._trial[1] == "scan"):
+        if self._scan.queue or (self._trial is not None and self._trial[1] == "scan"):
             return "scanning"
         return "searching"
 
@@ -142,37 +149,18 @@ class ShareSearch:
         return capped_split(self.batch_size, ratios if ratios is not None else self.ratios, self.caps, self.quantum)
 
     def noise(self) -> float:
-        """Relative noise of one window's throughput: an estimate of its standard deviation.
-
-        The median of the successive windows' absolute differences, over sqrt 2 (a difference
-        of two windows is sqrt 2 as noisy as one), over 0.6745 (the median of ``|N(0, 1)|``):
-        robust to the odd outlier window, and a standard deviation, so that "3 x noise" means
-        three standard deviations.
-        """
-        if len(self._noise) < 2:
-            return self.tuning.quiet_noise  # until measured: a quiet machine
-        return statistics.median(self._noise[-self.tuning.noise_windows:]) / math.sqrt(2) / 0.6745
+        """Relative noise of one window's throughput (a standard deviation; :meth:`Figures.noise`)."""
+        return self.figures.noise()
 
     def window_factor(self) -> int:
-        """How many standard windows the next measurement should last.
+        """How many standard windows the next measurement should last (:meth:`Figures.window_factor`).
 
-        Noisy measurements (a busy machine, a device throttled in bursts) are
-        averaged over longer windows: the noise of a mean falls with the
-        square root of its length, so a window ``k`` times longer brings a
-        noise ``n`` down to ``n / sqrt(k)``; the target is 2.5%.  The scan's
-        points take one standard window each: it looks for differences of 10%
-        and more, and the best is measured again with full windows.
+        The scan's points take one standard window each: it looks for differences of 10% and more, and the
+        best is measured again with full windows.
         """
         if self._trial is not None and self._trial[1] == "scan":
             return 1
-        t = self.tuning
-        return int(min(t.max_window_factor, max(1, round((self.noise() / t.target_noise) ** 2))))
-
-    def _margin(self) -> float:
-        return max(self.noise_floor, self.tuning.margin_noise * self.noise())
-
-    def _base_throughput(self) -> float:
-        return statistics.fmean(self._base_runs[-self.tuning.base_windows:]) if self._base_runs else 0.0
+        return self.figures.window_factor()
 
     def _moved(self, pair: tuple[int, int], amount: float) -> tuple[float, ...] | None:
         """``base`` with ``amount`` of the batch moved from device ``pair[0]`` to ``pair[1]``."""
@@ -195,23 +183,8 @@ class ShareSearch:
         """
         if self._speeds is None:
             return None, None, 1.0
-        now = self.shares(self.base)
-        costs = self._costs.fit() if self.fixed_costs else None
-        if costs is not None:
-            load = [c + k * b for b, (c, k) in zip(now, costs)]
-            proposal = self._costs.best_ratios(costs)
-            best = StepCosts.step_time(self.shares(proposal), costs)
-            now_time = StepCosts.step_time(now, costs)
-        else:
-            speeds = self._speeds
-            load = [b / s for b, s in zip(now, speeds)]
-            proposal = normalize(speeds)
-            best = predicted_step_time(self.shares(proposal), speeds)
-            now_time = predicted_step_time(now, speeds)
-        src = max(range(len(load)), key=lambda r: (load[r], -r))
-        dst = min(range(len(load)), key=lambda r: (load[r], r))
-        imbalance = now_time / best if best > 0 else 1.0
-        return ((src, dst) if src != dst else None), proposal, imbalance
+        fitted = self._costs.fit() if self.fixed_costs else None
+        return suggest(self.shares(self.base), self._speeds, fitted, self._costs, self.shares)
 
     # ---------------------------------------------------------- decisions
     def observe(self, window: Window) -> list[Event]:
@@ -232,23 +205,20 @@ class ShareSearch:
             return self._judge(throughput)
         if self._confirm is not None:
             return self._confirmed(throughput)
-        if not self.settled and self._base_runs and self._shifted(throughput):
+        if not self.settled and self.figures.runs and self._shifted(throughput):
             return self._rebase(throughput)
         if speeds is not None:
             self._costs.add(window)
-        if self._base_runs:
-            last = self._base_runs[-1]
-            self._noise.append(abs(throughput - last) / max((throughput + last) / 2, 1e-12))
-        self._base_runs = [*self._base_runs[-(self.tuning.base_windows - 1):], throughput]
+        self.figures.add(throughput)
         if self.settled:
             return self._watch(throughput)
-        if len(self._base_runs) < 2 and (not self._noise or self._scanned):
+        if len(self.figures.runs) < 2 and (not self.figures.differences or self._scan.results):
             return []  # two windows first (at the start, and after the scan)
         return self._propose()
 
     def _shifted(self, throughput: float) -> bool:
         """True when the kept shares now run far from what they ran before (the devices changed speed)."""
-        before = self._base_throughput()
+        before = self.figures.kept()
         return abs(throughput - before) > before * max(self.tuning.shift, self.tuning.shift_noise * self.noise())
 
     def _rebase(self, throughput: float) -> list[Event]:
@@ -259,8 +229,9 @@ class ShareSearch:
         call for, judged like any move), or the machine is noisy (then only the
         figure is renewed: the search goes on where it was).
         """
-        before = self._base_throughput()
-        self._base_runs = [throughput]
+        before = self.figures.kept()
+        self.figures.runs = [throughput]
+        self._judged = []  # judged against the old figure
         self._jumps.clear()
         if not self._costs.describes(self._window):
             self._costs.clear()  # a device changed speed: the fit describes devices that are gone
@@ -268,34 +239,19 @@ class ShareSearch:
         why = "throughput at the kept shares " + ("fell" if throughput < before else "rose")
         return [Event("rebase", tuple(self.ratios), tuple(self.ratios), before, throughput, why), *self._propose()]
 
-    def _scan_points(self, pair, proposal) -> list[tuple[float, ...]]:
-        """The speeds' shares (if at least half the smallest scan move away), then the moves both ways."""
-        far = proposal is not None and max(abs(a - b) for a, b in zip(proposal, self.base)) >= self.scan[0] / 2
-        points = [tuple(proposal)] if far else []
-        if pair is not None:
-            points += [self._moved(p, d) for d in self.scan for p in (pair, (pair[1], pair[0]))]
-        seen = {tuple(self.shares(self.base))}
-        out = []
-        for point in points:
-            key = tuple(self.shares(point)) if point is not None else None
-            if key is not None and key not in seen:
-                seen.add(key)
-                out.append(point)
-        return out
-
     def _propose(self) -> list[Event]:
         pair, proposal, imbalance = self._model()
-        if not self._scan_opened and self.scan:
-            self._scan_opened = True
-            self._scan_queue = self._scan_points(pair, proposal)
-            if proposal is not None and tuple(proposal) in self._scan_queue:
+        scan = self._scan
+        if not scan.opened:
+            scan.open(self.base, proposal, pair, self._moved, self.shares)
+            if proposal is not None and tuple(proposal) in scan.queue:
                 self._jumps.add(tuple(self.shares(proposal)))  # measured by the scan: no jump there later
-        if self._scan_queue:
-            return self._start(self._scan_queue.pop(0), "scan", None, "")
-        if self._scanned:
-            rate, best = max(self._scanned)
-            self._scanned = []
-            if rate > self._base_throughput() * (1 + self._margin()):
+        if scan.queue:
+            return self._start(scan.queue.pop(0), "scan", None, "")
+        found = scan.best()
+        if found is not None:
+            rate, best = found
+            if rate > self.figures.kept() * (1 + self.figures.margin()):
                 self._strict = True  # the best of several noisy windows: kept on a stricter test
                 return self._start(best, "jump", None, f"the best of the scan ({rate:.0f} samples/s)")
         # At most two jumps per search (from the speeds, then from the fitted costs), never twice to one place.
@@ -335,25 +291,25 @@ class ShareSearch:
         self._trial_runs = []
         before = tuple(self.ratios)
         self.ratios = trial
-        return [Event(kind, before, trial, self._base_throughput(), 0.0, reason)]
+        return [Event(kind, before, trial, self.figures.kept(), 0.0, reason)]
 
     def _judge(self, throughput: float) -> list[Event]:
         trial, kind, pair = self._trial  # type: ignore[misc]
-        before = self._base_throughput()
+        before = self.figures.kept()
         if kind == "scan":  # one window, then the next point: the best is judged like any move at the end
             self._trial = None
-            self._scanned.append((throughput, trial))
+            self._scan.results.append((throughput, trial))
             self.ratios = self.base
             event = Event("scanned", trial, self.base, before, throughput, f"{throughput / before - 1:+.1%}")
-            if self._scan_queue:
+            if self._scan.queue:
                 return [event, *self._propose()]
             # The start's figure is from before the scan, when the run was colder: measure it again first,
             # over two windows (their difference is also a measure of the noise, which the decision needs).
-            self._base_runs = []
+            self.figures.runs = []
             return [event]
         self._trial_runs.append(throughput)
         measured = statistics.fmean(self._trial_runs)
-        margin = self._margin() * (self.tuning.strict_factor if self._strict else 1) / math.sqrt(len(self._trial_runs))
+        margin = self.figures.margin(len(self._trial_runs), self.tuning.strict_factor if self._strict else 1.0)
         if measured > before * (1 + margin) and len(self._trial_runs) < 2:
             return []  # looks better: one more window to confirm before keeping it
         self._trial = None
@@ -364,7 +320,7 @@ class ShareSearch:
             # Looks better: the kept shares are measured once more before the move is kept.
             self._confirm = (trial, pair, runs, self.tuning.strict_factor if strict else 1.0)
             return [Event("recheck", trial, self.base, before, measured, f"{measured / before - 1:+.1%}")]
-        return self._undo(trial, pair, before, measured)
+        return self._undo(trial, pair, before, measured, len(runs))
 
     def _confirmed(self, throughput: float) -> list[Event]:
         """The kept shares measured again after a move looked better: the move is kept only if it still beats them.
@@ -375,27 +331,25 @@ class ShareSearch:
         """
         trial, pair, runs, strictness = self._confirm  # type: ignore[misc]
         self._confirm = None
-        last = self._base_runs[-1] if self._base_runs else throughput
-        self._noise.append(abs(throughput - last) / max((throughput + last) / 2, 1e-12))
-        self._base_runs = [*self._base_runs[-(self.tuning.base_windows - 1):], throughput]
-        recent = self._base_runs[-3:]
-        before = statistics.median(recent) if len(recent) >= 3 else statistics.fmean(recent)
+        self.figures.add(throughput)
+        before = self.figures.robust()
         measured = statistics.fmean(runs)
-        margin = self._margin() * strictness / math.sqrt(len(runs))
+        margin = self.figures.margin(len(runs), strictness)
         # Either way the next move can start now: the move's windows are its figure, and the kept shares were
         # just measured.
         if measured > before * (1 + margin):
             return [*self._keep(trial, pair, runs, before, measured), *self._propose()]
-        events = self._undo(trial, pair, before, measured)
+        events = self._undo(trial, pair, before, measured, len(runs))
         return events if self.settled else events + self._propose()
 
     def _keep(self, trial, pair, runs: list[float], before: float, throughput: float) -> list[Event]:
         old = self.base
         self.base = trial
         self.ratios = trial
-        self._base_runs = runs
+        self.figures.runs = runs
         self.changes += 1
         self._undone = 0
+        self._judged = []
         self._tried.clear()
         if pair is not None:
             self._momentum = pair
@@ -406,9 +360,11 @@ class ShareSearch:
             self.step = self.first_step
         return [Event("keep", old, trial, before, throughput, f"{throughput / before - 1:+.1%}")]
 
-    def _undo(self, trial, pair, before: float, throughput: float) -> list[Event]:
+    def _undo(self, trial, pair, before: float, throughput: float, windows: int = 1) -> list[Event]:
         self.ratios = self.base
         self._undone += 1
+        if before > 0:
+            self._judged.append((tuple(trial), throughput / before - 1, windows))
         if pair is not None:
             self._tried.add(pair)
             if pair == self._momentum:
@@ -426,25 +382,25 @@ class ShareSearch:
         kept shares' by the margin its own windows allow (as :meth:`_judge` would with more windows);
         otherwise the kept shares stay.  Then the shares are watched like any settled ones.
         """
-        before = self._base_throughput()
+        before = self.figures.kept()
         events: list[Event] = []
         candidate: tuple[tuple[float, ...], float, int] | None = None  # shares, measured, windows
         if self._trial is not None and self._trial[1] != "scan" and self._trial_runs:
             candidate = (self._trial[0], statistics.fmean(self._trial_runs), len(self._trial_runs))
         elif self._confirm is not None:
             candidate = (self._confirm[0], statistics.fmean(self._confirm[2]), len(self._confirm[2]))
-        elif self._scanned:
-            rate, best = max(self._scanned)
+        elif self._scan.results:
+            rate, best = max(self._scan.results)
             candidate = (best, rate, 1)
         self._trial, self._trial_runs, self._confirm = None, [], None
-        self._scan_queue, self._scanned = [], []
+        self._scan.close()
         self.ratios = self.base
         if candidate is not None and before > 0:
             shares, measured, n = candidate
-            margin = self._margin() * self.tuning.strict_factor / math.sqrt(n)
+            margin = self.figures.margin(n, self.tuning.strict_factor)
             if measured > before * (1 + margin):
                 old, self.base, self.ratios = self.base, shares, shares
-                self._base_runs = [measured]
+                self.figures.runs = [measured]
                 self.changes += 1
                 events.append(Event("keep", old, shares, before, measured, f"{measured / before - 1:+.1%}"))
         return events + self._settle(f"after {steps} steps the search stops moving")
@@ -453,41 +409,68 @@ class ShareSearch:
         """Starts settled at the given shares (found by an earlier search at another batch size): no scan, no
         probe; watched from the first windows on."""
         self.settled = True
-        self._scan_opened = True
-        self._reference = 0.0
-        self._watched = []
+        self._scan.close()
+        self.watch.start()
+
+    def _tie(self) -> tuple[float, ...] | None:
+        """The measured shares nearest the compute speeds' balance that throughput could not tell from the kept ones.
+
+        Only when the speeds are ``tie_imbalance`` out of balance at the kept shares, among the moves undone
+        since the last kept one that lie on the way from the kept shares toward that balance (or a little
+        beyond it); none if one of those measured clearly worse (``tie_noise`` noise units of a difference of
+        its windows and the kept shares').
+        """
+        _, proposal, imbalance = self._model()
+        t = self.tuning
+        if proposal is None or imbalance < 1 + t.tie_imbalance or not self._judged:
+            return None
+        base, target = self.shares(self.base), self.shares(proposal)
+
+        def apart(a, b) -> int:
+            return sum(abs(x - y) for x, y in zip(a, b))
+
+        span = apart(base, target)
+        best: tuple[int, tuple[float, ...]] | None = None
+        for ratios, relative, windows in self._judged:
+            point = self.shares(ratios)
+            if apart(base, point) + apart(point, target) > 1.25 * span + 2 * self.quantum:
+                continue  # not on the way to the balance
+            clear = max(self.noise_floor, t.tie_noise * self.noise() * math.sqrt(1 / windows + 1 / t.base_windows))
+            if relative < -clear:
+                return None  # a move toward the balance measured clearly worse
+            if apart(point, target) < span and (best is None or apart(point, target) < best[0]):
+                best = (apart(point, target), ratios)
+        return best[1] if best is not None else None
 
     def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
+        tie = self._tie()
+        if tie is not None:
+            old = self.base
+            self.base, self.ratios = tie, tie
+            self.changes += 1
+            self._judged = []
+            self._undone = 0
+            self.settle_as_found()  # watched from its first windows on
+            why += (f"; throughput could not tell {_describe(tie)} from {_describe(old)}: settled at the shares "
+                    "nearest the compute speeds' balance")
+            return [Event("settle", tuple(old), tuple(tie), 0.0, 0.0, why)]
         self.settled = True
-        self._reference = self._base_throughput()
-        self._watched = [self._reference] if self._reference > 0 else []
-        self._alarms = 0
+        self.watch.start(self.figures.kept())
         self._undone = 0
-        return [Event("settle", tuple(self.ratios), tuple(self.ratios), self._reference, 0.0, why)]
+        return [Event("settle", tuple(self.ratios), tuple(self.ratios), self.watch.reference, 0.0, why)]
 
     def _watch(self, throughput: float) -> list[Event]:
-        """Settled: no probe until the throughput at the kept shares falls beyond its noise, ``alarms`` windows
-        in a row (a device slowed down, the machine's load changed); then the search starts again, saying why."""
-        t = self.tuning
-        if not self._watched:  # settled from the start: the first window is the reference
-            self._watched, self._reference = [throughput], throughput
-            return []
-        fall = max(t.drop, t.drop_noise * self.noise())
-        dropped = throughput < self._reference * (1 - fall)
-        self._alarms = self._alarms + 1 if dropped else 0
-        if self._alarms < t.alarms:
-            if not dropped:  # the reference is the mean of recent windows: the max of noisy ones would be too high
-                self._watched = [*self._watched[-(t.watched - 1):], throughput]
-                self._reference = statistics.fmean(self._watched)
+        """Settled: the search starts again only when :class:`Watch` says the throughput fell (saying why)."""
+        why = self.watch.fell(throughput, self.noise())
+        if why is None:
             return []
         self.settled = False
         self.step = self.first_step
         self._tried.clear()
         self._momentum = None
         self._jumps.clear()
+        self._judged = []
         self._costs.clear()  # windows from before a change of speed describe other devices
-        self._base_runs = self._base_runs[-1:]
-        why = (f"throughput fell {self._alarms} windows in a row, more than {fall:.1%} below the settled "
-               f"{self._reference:.0f} samples/s (the windows' noise: {self.noise():.1%})")
-        events = [Event("restart", tuple(self.ratios), tuple(self.ratios), self._reference, throughput, why)]
+        self.figures.runs = self.figures.runs[-1:]
+        events = [Event("restart", tuple(self.ratios), tuple(self.ratios), self.watch.reference, throughput, why)]
         return events + self._propose()

@@ -32,6 +32,10 @@ class Tuning:
         drop_noise: see ``drop``.
         alarms: alarms in a row that start the search again.
         watched: how many recent windows at the settled shares make the reference.
+        tie_imbalance: when the search settles with the compute speeds this far out of balance
+            (``1 + tie_imbalance``), it settles instead at the measured shares nearest their
+            balance whose throughput was within ``tie_noise`` noise units of the kept shares'.
+        tie_noise: see ``tie_imbalance``.
     """
 
     quiet_noise: float = 0.015
@@ -51,3 +55,5 @@ class Tuning:
     drop_noise: float = 3.0
     alarms: int = 3
     watched: int = 5
+    tie_imbalance: float = 0.05
+    tie_noise: float = 1.0

@@ -90,7 +90,7 @@ def install(model) -> Breakdown:
     # The class's update: a parallel model's wrapper sums the gradients first, then calls this one.
     cls.apply = b.timed("optimizer", cls.apply)
     try:
-        from multigpu.backend.torch.collectives import Comm
+        from multigpu.engine.comm import Comm
     except ImportError:  # pragma: no cover - torch is always there on this backend
         return b
     Comm.reduce = b.timed("sum gradients", Comm.reduce)

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from multigpu.backend.torch.collectives import Comm
 from multigpu.devices import Device
+from multigpu.engine.comm import Comm
 
 
 def main() -> int:

@@ -8,19 +8,11 @@
 Only ``group`` is imported eagerly, and it imports JAX only when joining.
 """
 
+from multigpu.backend import lazy
 from multigpu.backend.jax.facts import FACTS
 from multigpu.backend.jax.group import bind, join, leave
 
 __all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
 
-def __getattr__(name: str):
-    if name == "Comm":
-        from multigpu.backend.jax.collectives import Comm
-
-        return Comm
-    if name == "Steps":
-        from multigpu.backend.jax.step import JaxSteps
-
-        return JaxSteps
-    raise AttributeError(name)
+__getattr__ = lazy(Comm="multigpu.backend.jax.collectives:Comm", Steps="multigpu.backend.jax.step:JaxSteps")

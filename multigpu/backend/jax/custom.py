@@ -2,7 +2,9 @@
 
 Each ``optimizer.stateless_apply`` the step calls applies the gradients times
 ``b_r / B`` summed over ranks (one collective per call, so a GAN's two
-optimizers work), and the step's logs become global in one collective after
+optimizers work): set once per optimizer through the model's ledger (so
+``unparallelize`` gives each its own back), it is the optimizer's own outside
+a step of the model's.  The step's logs become global in one collective after
 it: metrics from summed states, other scalars as rows-weighted means; the
 step timings travel in the same collective (training only).
 
@@ -14,8 +16,6 @@ keeps its non-trainable and metric states as they were.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import jax
 import jax.numpy as jnp
 import keras
@@ -23,7 +23,7 @@ import numpy as np
 
 from multigpu._keras.model_parts import optimizers_of
 from multigpu.backend.jax.packing import flat, metric_results, one_row_of_zeros, split
-from multigpu.balancing.timing import StepRecord
+from multigpu.backend.logs import other_scalars, read_summed
 
 __all__ = ["EagerSteps"]
 
@@ -48,6 +48,8 @@ class EagerSteps:
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
         self._last_batch = None  # the last batch with rows, for the steps where this rank has none
         self._last_test_batch = None
+        self.ledger = steps.parallel.ledger
+        self._weight: float | None = None  # the step's gradient weight while a step of the model's own runs
 
     def train(self, state, data, plan) -> tuple[dict, tuple, dict]:
         """One training step; returns its logs, the new state and the global results."""
@@ -59,8 +61,12 @@ class EagerSteps:
         self.timing.begin()
         if self.exchange is not None:
             self.exchange.begin_step(plan.weight, not idle)
-        with self._summed_optimizers(0.0 if idle else plan.weight):
+        self._install()
+        self._weight = 0.0 if idle else plan.weight
+        try:
             logs, new_state = self.user_train_step(self.model, state, self._last_batch if idle else data)
+        finally:
+            self._weight = None
         if idle and self.exchange is None:
             new_state = (new_state[0], state[1], new_state[2], state[3])
         elif idle:  # the moving statistics follow the global batch, as on the other ranks
@@ -83,53 +89,38 @@ class EagerSteps:
         logs, fresh = self._global_logs(logs, new_state[2], rows, timing=False)
         return logs, new_state, fresh
 
-    @contextmanager
-    def _summed_optimizers(self, weight: float):
-        """Within the block, every optimizer's ``stateless_apply`` applies the weighted gradients summed over
-        ranks (one collective per call)."""
-        patched = []
+    def _install(self) -> None:
+        """Every optimizer's ``stateless_apply`` (once each, through the model's ledger) applies the weighted
+        gradients summed over ranks while a step of the model's own runs, and is the optimizer's own otherwise."""
         for optimizer in optimizers_of(self.model):
-            original = optimizer.stateless_apply
+            if not self.ledger.owns(optimizer, "stateless_apply"):
+                self.ledger.set(optimizer, "stateless_apply", self._summed_apply(optimizer.stateless_apply))
 
-            def summed_apply(optimizer_variables, grads, trainable_variables, _original=original):
-                if weight == 0:  # no rows here: zeros, whatever the step computed on its stand-in batch (NaN)
-                    vector = jnp.zeros(sum(int(np.prod(g.shape)) for g in grads), jnp.float32)
-                else:
-                    vector = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in flat(grads))])
-                vector = jax.block_until_ready(vector if self.half is None else vector.astype(self.half))
-                with self.timing.waiting():
-                    summed = self.comm.reduce(vector, "summing gradients").astype(np.float32, copy=False)
-                return _original(optimizer_variables, split(jnp.asarray(summed), list(grads)), trainable_variables)
+    def _summed_apply(self, original):
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            weight = self._weight
+            if weight is None:
+                return original(optimizer_variables, grads, trainable_variables)
+            if weight == 0:  # no rows here: zeros, whatever the step computed on its stand-in batch (NaN)
+                vector = jnp.zeros(sum(int(np.prod(g.shape)) for g in grads), jnp.float32)
+            else:
+                vector = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in flat(grads))])
+            vector = jax.block_until_ready(vector if self.half is None else vector.astype(self.half))
+            with self.timing.waiting():
+                summed = self.comm.reduce(vector, "summing gradients").astype(np.float32, copy=False)
+            return original(optimizer_variables, split(jnp.asarray(summed), list(grads)), trainable_variables)
 
-            object.__setattr__(optimizer, "stateless_apply", summed_apply)
-            patched.append(optimizer)
-        try:
-            yield
-        finally:
-            for optimizer in patched:
-                object.__delattr__(optimizer, "stateless_apply")
+        return stateless_apply
 
     def _global_logs(self, logs: dict, metrics: list, rows: int, timing: bool = True) -> tuple[dict, dict]:
-        """The step's logs over every rank, and every global metric result."""
+        """The step's logs over every rank, and every global metric result (:mod:`multigpu.backend.logs`)."""
         refs = list(self.model.metrics_variables)
         with keras.StatelessScope(state_mapping=list(zip(refs, metrics))):
             names = set(self.keras_metrics_result())
-        extra = [k for k in logs if k not in names]
-        for k in extra:
-            if np.size(logs[k]) != 1:
-                raise ValueError(f"multigpu: the step logged {k!r} with shape {tuple(np.shape(logs[k]))}; logs must "
-                                 "be metrics (in model.metrics) or scalars, so that every rank can show the global "
-                                 "value.")
-        timings = self.timing.vector() if timing else []
-        tail = np.asarray([*(float(logs[k]) * rows for k in extra), float(rows), *timings], np.float32)
+        extra, tail = other_scalars(logs, names, rows, self.timing.vector() if timing else ())
         n_states = sum(int(np.prod(v.shape)) for v in refs)
         summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat(metrics), jnp.asarray(tail)]),
                                   "summing the step's logs")
-        out = dict(metric_results(self.model, jnp.asarray(summed), refs, 0))
-        total = float(summed[n_states + len(extra)])
-        for i, k in enumerate(extra):
-            out[k] = float(summed[n_states + i]) / total if total else 0.0
-        if timing:
-            self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
-                                                        self.comm.world_size, complete=True))
-        return {k: out[k] for k in logs if k in out}, out
+        results = metric_results(self.model, jnp.asarray(summed), refs, 0)
+        return read_summed(logs, summed, n_states, extra, results, self.balancer if timing else None,
+                           self.comm.world_size)

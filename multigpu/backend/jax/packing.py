@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from multigpu._keras.model_parts import results_with_states
 from multigpu.backend.facts import HALF_PRECISION
 
 __all__ = ["COMPRESSION", "flat", "metric_results", "one_row_of_zeros", "split"]
@@ -39,10 +40,4 @@ def one_row_of_zeros(data):
 
 def metric_results(model, summed, metric_refs: list, offset: int) -> dict:
     """Keras's metric results with every state replaced by its sum over ranks (traced or eager)."""
-    values = split(summed, metric_refs, offset)
-    with keras.StatelessScope(state_mapping=list(zip(metric_refs, values))):
-        out = {}
-        for metric in model.metrics:
-            value = metric.result()
-            out.update(value if isinstance(value, dict) else {metric.name: value})
-    return out
+    return results_with_states(model, metric_refs, split(summed, metric_refs, offset))

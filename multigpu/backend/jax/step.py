@@ -47,7 +47,7 @@ from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.jax.custom import EagerSteps
 from multigpu.backend.jax.packing import COMPRESSION, flat, metric_results, split
-from multigpu.backend.steps import StepsCore
+from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["JaxSteps"]
@@ -59,6 +59,8 @@ class JaxSteps(StepsCore):
     Args:
         parallel: the model's :class:`~multigpu.keras.parallel.ParallelModel`.
     """
+
+    initialize_when_made = True
 
     def __init__(self, parallel) -> None:
         super().__init__(parallel)
@@ -123,13 +125,6 @@ class JaxSteps(StepsCore):
         return out
 
     # ---------------------------------------------------------- training
-    def make_train_function(self, force: bool = False):
-        self._initialize()
-        if self._train is None or force:
-            self._build_train()
-        self.model.train_function = self._train_function
-        return self._train_function
-
     def _build_train(self) -> None:
         model = self.model
         trainable_refs = list(model.trainable_variables)
@@ -258,26 +253,12 @@ class JaxSteps(StepsCore):
             copies = [jax.tree.map(jnp.copy, v) for v in (non_trainable, metrics)]  # the function donates them
             return self._local(trainable, *copies, optimizer, x, y, sample_weight, weight, tail)
 
-        began = time.perf_counter()
-        timed: list[float] = []
         with self.exchange.alone() if self.exchange is not None else nullcontext():  # each rank times itself
-            self._timed_first("train", rows, call)
-            while True:
-                t0 = time.perf_counter()
-                jax.block_until_ready(call())
-                timed.append(time.perf_counter() - t0)
-                if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
-                    break
-        return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
+            return time_alone(lambda: jax.block_until_ready(call()), rows, min_steps=min_steps,
+                              min_seconds=min_seconds, max_steps=max_steps,
+                              first=lambda: self._timed_first("train", rows, call))
 
     # ---------------------------------------------------------- evaluation
-    def make_test_function(self, force: bool = False):
-        self._initialize()
-        if self._test is None or force:
-            self._build_test()
-        self.model.test_function = self._test_function
-        return self._test_function
-
     def _build_test(self) -> None:
         model = self.model
         metric_refs = list(model.metrics_variables)

@@ -1,7 +1,7 @@
 """The TensorFlow backend: Keras's TensorFlow trainer, gradients summed by torch.distributed.
 
 * ``group``: binding TensorFlow to this process's device, joining the run and leaving it;
-* ``collectives``: ``Comm``, every collective multigpu does (the torch backend's engine, on NumPy arrays);
+* ``collectives``: ``Comm``, every collective multigpu does (the engine's, :mod:`multigpu.engine`, on NumPy arrays);
 * ``feeding``: this rank's share of each global batch as the iterable Keras's loop reads;
 * ``step``: the training, test and predict functions Keras's loops call;
 * ``custom``: a ``train_step`` of the model's own (``tf.GradientTape`` and ``optimizer.apply``);
@@ -12,28 +12,21 @@ cross-process collectives (``MultiWorkerMirroredStrategy``'s ring over gRPC)
 took 8.1 ms for an all-reduce of 1M floats between two processes on two
 cores of one x86-64 machine, gloo 4.0 ms, and the shared-memory transport
 0.57 ms (``benchmarks/bench_tf_engines.py``, ``benchmarks/tensorflow/README.md``); one
-of the ring's rounds also failed to start.  So the TensorFlow backend uses
-the torch backend's collectives: shared memory between CPU ranks of one
-machine, gloo elsewhere (TensorFlow's GPU tensors are summed on the host).
+of the ring's rounds also failed to start.  So the TensorFlow backend sums on
+the engine the torch backend sums on (:mod:`multigpu.engine`): shared memory
+between ranks of one machine, gloo elsewhere (TensorFlow's GPU tensors are summed on the host).
 TensorFlow users install torch's CPU wheel beside TensorFlow (``make``
 does).
 
 Only ``group`` is imported eagerly, and it imports TensorFlow only when binding.
 """
 
+from multigpu.backend import lazy
 from multigpu.backend.tensorflow.facts import FACTS
 from multigpu.backend.tensorflow.group import bind, join, leave
 
 __all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
 
-def __getattr__(name: str):
-    if name == "Comm":
-        from multigpu.backend.tensorflow.collectives import Comm
-
-        return Comm
-    if name == "Steps":
-        from multigpu.backend.tensorflow.step import TensorFlowSteps
-
-        return TensorFlowSteps
-    raise AttributeError(name)
+__getattr__ = lazy(Comm="multigpu.backend.tensorflow.collectives:Comm",
+                   Steps="multigpu.backend.tensorflow.step:TensorFlowSteps")

@@ -1,4 +1,4 @@
-"""Collectives of a run on TensorFlow: the torch backend's engine, on NumPy arrays.  Every error is fatal.
+"""Collectives of a run on TensorFlow: the engine's (:mod:`multigpu.engine`), on NumPy arrays.  Every error is fatal.
 
 A TensorFlow step hands its vector over as a NumPy array (a GPU's values come
 to the host once); it is copied into the engine's buffer (shared memory
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from multigpu.backend.torch.collectives import Comm as _Engine
+from multigpu.engine.comm import Comm as _Engine
 
 __all__ = ["Comm"]
 
@@ -31,7 +31,7 @@ class Comm:
     """
 
     def __init__(self, runtime, transport: str = "auto") -> None:
-        self.engine = _Engine(runtime, transport, host=True)
+        self.engine = _Engine(runtime, transport, vectors="host")
         self.runtime = runtime
         self.rank = runtime.rank
         self.world_size = runtime.world_size

@@ -7,7 +7,9 @@ its attributes: a GAN's two) applies, in ``optimizer.apply`` (which
 ``apply_gradients`` calls), the gradients times ``b_r / B`` summed over ranks:
 one sum per call, a ``tf.numpy_function`` inside the step's graph, ordered
 after the step's earlier updates as TensorFlow orders stateful operations.
-The optimizers are given back their own ``apply`` after each call.  The
+That ``apply`` is set once per optimizer through the model's ledger (so
+``unparallelize`` gives each its own back) and calls the optimizer's own
+outside a step of the model's (a graph traced there, or an eager call).  The
 step's logs become global in one more sum: metrics from summed states, other
 scalars as rows-weighted means; the step timings travel in it (training only).
 
@@ -19,15 +21,13 @@ puts its non-trainable and metric states back as they were.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from multigpu._keras.model_parts import optimizers_of
+from multigpu.backend.logs import other_scalars, read_summed
 from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
-from multigpu.balancing.timing import StepRecord
 
 __all__ = ["CustomSteps"]
 
@@ -52,6 +52,7 @@ class CustomSteps:
         self._test = None
         self._last_batch = None  # the last batch with rows, for the steps where this rank has none
         self._last_test_batch = None
+        self._summing = False  # a step of the model's own is running (or being traced)
 
     def _compiled(self, method):
         model = self.model
@@ -75,8 +76,12 @@ class CustomSteps:
         if bn is not None:
             bn.begin_step(0.0 if idle else plan.weight, contributes=not idle)
         self.timing.begin()
-        with self._summed_optimizers():
+        self._install()
+        self._summing = True
+        try:
             logs = self._train(self._last_batch if idle else data)
+        finally:
+            self._summing = False
         if kept is not None:
             self._restore(kept, metrics_only=bn is not None)  # the moving statistics follow the global batch
         logs, fresh = self._global_logs(logs, 0 if idle else plan.local)
@@ -110,61 +115,47 @@ class CustomSteps:
         with self.timing.waiting():
             return self.comm.reduce(vector, "summing gradients").copy()
 
-    @contextmanager
-    def _summed_optimizers(self):
-        """Within the block, every optimizer's ``apply`` applies the weighted gradients summed over ranks."""
+    def _install(self) -> None:
+        """Every optimizer's ``apply`` (once each, through the model's ledger) applies the weighted gradients
+        summed over ranks while a step of the model's own runs, and is the optimizer's own otherwise."""
+        ledger = self.steps.parallel.ledger
+        for optimizer in optimizers_of(self.model):
+            if not ledger.owns(optimizer, "apply"):
+                ledger.set(optimizer, "apply", self._summed_apply(optimizer, optimizer.apply))
+
+    def _summed_apply(self, optimizer, original):
         half = self.steps.half
         weight = self._weight
-        patched = []
-        for optimizer in optimizers_of(self.model):
-            original = optimizer.apply
 
-            def summed_apply(grads, trainable_variables=None, _original=original, _optimizer=optimizer):
-                grads = list(grads)
-                variables = list(trainable_variables) if trainable_variables is not None else None
-                like = variables if variables is not None else list(_optimizer._trainable_variables)
-                dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
-                         for g, v in zip(grads, like)]
-                vector = tf.concat([tf.zeros(0, tf.float32), *(g * weight for g in flat(dense))], 0)
-                # no rows here: zeros, whatever the step computed on its stand-in batch (NaN included)
-                vector = tf.where(weight > 0, vector, tf.zeros_like(vector))
-                if half is not None:
-                    vector = tf.cast(vector, half)
-                summed = tf.numpy_function(self._sum, [vector], vector.dtype, stateful=True)
-                summed = tf.cast(tf.reshape(summed, [-1]), tf.float32)
-                return _original(split(summed, dense), variables)
+        def apply(grads, trainable_variables=None):
+            if not self._summing:
+                return original(grads, trainable_variables)
+            grads = list(grads)
+            variables = list(trainable_variables) if trainable_variables is not None else None
+            like = variables if variables is not None else list(optimizer._trainable_variables)
+            dense = [tf.zeros(v.shape, tf.float32) if g is None else tf.convert_to_tensor(g)
+                     for g, v in zip(grads, like)]
+            vector = tf.concat([tf.zeros(0, tf.float32), *(g * weight for g in flat(dense))], 0)
+            # no rows here: zeros, whatever the step computed on its stand-in batch (NaN included)
+            vector = tf.where(weight > 0, vector, tf.zeros_like(vector))
+            if half is not None:
+                vector = tf.cast(vector, half)
+            summed = tf.numpy_function(self._sum, [vector], vector.dtype, stateful=True)
+            summed = tf.cast(tf.reshape(summed, [-1]), tf.float32)
+            return original(split(summed, dense), variables)
 
-            object.__setattr__(optimizer, "apply", summed_apply)
-            patched.append(optimizer)
-        try:
-            yield
-        finally:
-            for optimizer in patched:
-                object.__delattr__(optimizer, "apply")
+        return apply
 
     # ---------------------------------------------------------- logs
     def _global_logs(self, logs: dict, rows: int, timing: bool = True) -> tuple[dict, dict]:
-        """The step's logs over every rank, and every global metric result."""
+        """The step's logs over every rank, and every global metric result (:mod:`multigpu.backend.logs`)."""
         refs = list(self.model.metrics_variables)
-        names = set(self.keras_metrics_result())
         logs = dict(logs)
-        extra = [k for k in logs if k not in names]
-        for k in extra:
-            if np.size(logs[k]) != 1:
-                raise ValueError(f"multigpu: the step logged {k!r} with shape {tuple(np.shape(logs[k]))}; logs must "
-                                 "be metrics (in model.metrics) or scalars, so that every rank can show the global "
-                                 "value.")
+        extra, tail = other_scalars(logs, set(self.keras_metrics_result()), rows,
+                                    self.timing.vector() if timing else ())
         n_states = sum(int(np.prod(v.shape)) for v in refs)
-        timings = self.timing.vector() if timing else []
-        tail = np.asarray([*(float(np.reshape(logs[k], ())) * rows for k in extra), float(rows), *timings],
-                          np.float32)
         states = self.steps._states()
         summed = self.comm.reduce(np.concatenate([states, tail]), "summing the step's logs").copy()
-        out = dict(metric_results(self.model, tf.constant(summed), refs, 0))
-        total = float(summed[n_states + len(extra)])
-        for i, k in enumerate(extra):
-            out[k] = float(summed[n_states + i]) / total if total else 0.0
-        if timing:
-            self.balancer.record(StepRecord.from_vector([float(v) for v in summed[n_states + len(extra) + 1 :]],
-                                                        self.comm.world_size, complete=True))
-        return {k: out[k] for k in logs if k in out}, out
+        results = metric_results(self.model, tf.constant(summed), refs, 0)
+        return read_summed(logs, summed, n_states, extra, results, self.balancer if timing else None,
+                           self.comm.world_size)

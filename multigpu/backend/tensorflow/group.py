@@ -16,7 +16,7 @@ NCCL's torch build.
 
 from __future__ import annotations
 
-from multigpu.backend.torch import group as _engine
+from multigpu.engine import group as _engine
 
 __all__ = ["bind", "join", "leave"]
 

@@ -36,7 +36,6 @@ BatchNormalization layer normalises with the statistics of the global batch
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import keras
@@ -46,7 +45,7 @@ import tensorflow as tf
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.facts import HALF_PRECISION
-from multigpu.backend.steps import StepsCore
+from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.tensorflow.custom import CustomSteps
 from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
 from multigpu.balancing.timing import StepRecord
@@ -124,12 +123,6 @@ class TensorFlowSteps(StepsCore):
         return outputs
 
     # ---------------------------------------------------------- training
-    def make_train_function(self, force: bool = False):
-        if self._train is None or force:
-            self._build_train()
-        self.model.train_function = self._train_function
-        return self._train_function
-
     def _build_train(self) -> None:
         model = self.model
         trainable = list(model.trainable_variables)
@@ -310,28 +303,19 @@ class TensorFlowSteps(StepsCore):
             self._build_train()
         kept = [(v, v.numpy()) for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]]
         weight = tf.constant(1.0, tf.float32)
-        began = time.perf_counter()
-        timed: list[float] = []
         alone = self.global_batchnorm.alone() if self.global_batchnorm is not None else nullcontext()
+
+        def call():
+            return self._local(x, y, sample_weight, weight)[1].numpy()
+
         with alone:
-            self._local(x, y, sample_weight, weight)[1].numpy()
-            while True:
-                t0 = time.perf_counter()
-                self._local(x, y, sample_weight, weight)[1].numpy()
-                timed.append(time.perf_counter() - t0)
-                if (len(timed) >= min_steps and sum(timed) >= min_seconds) or len(timed) >= max_steps:
-                    break
+            measured = time_alone(call, rows, first=call, min_steps=min_steps, min_seconds=min_seconds,
+                                  max_steps=max_steps)
         for v, value in kept:
             v.assign(value)
-        return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
+        return measured
 
     # ---------------------------------------------------------- evaluation
-    def make_test_function(self, force: bool = False):
-        if self._test is None or force:
-            self._build_test()
-        self.model.test_function = self._test_function
-        return self._test_function
-
     def _build_test(self) -> None:
         model = self.model
         training_arg = _compat.call_has_training_arg(model)

@@ -6,6 +6,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from multigpu._keras.model_parts import results_with_states
+
 __all__ = ["flat", "metric_results", "one_row_of_zeros", "split"]
 
 
@@ -30,13 +32,7 @@ def split(vector, like: list, offset: int = 0) -> list:
 
 def metric_results(model, summed, metric_refs: list, offset: int) -> dict:
     """Keras's metric results with every state replaced by its sum over ranks (in a function or eagerly)."""
-    values = split(summed, metric_refs, offset)
-    with keras.StatelessScope(state_mapping=list(zip(metric_refs, values))):
-        out = {}
-        for metric in model.metrics:
-            value = metric.result()
-            out.update(value if isinstance(value, dict) else {metric.name: value})
-    return out
+    return results_with_states(model, metric_refs, split(summed, metric_refs, offset))
 
 
 def one_row_of_zeros(data):

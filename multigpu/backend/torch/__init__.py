@@ -1,7 +1,6 @@
 """The torch backend: torch.distributed (gloo on CPU, NCCL on CUDA) and Keras's torch trainer.
 
-* ``group``: the process group (rendezvous, join, leave, device binding);
-* ``collectives``: ``Comm``, every collective multigpu does (shared memory for CPU ranks of one machine);
+* ``group``: device binding; the process group and ``Comm`` are the engine's (:mod:`multigpu.engine`);
 * ``reducer``: the share-weighted gradient sum inside ``optimizer.apply``;
 * ``metrics``: global logs from summed metric states;
 * ``step``: the training, test and predict steps;
@@ -11,19 +10,11 @@
 Only ``group`` is imported eagerly.
 """
 
+from multigpu.backend import lazy
 from multigpu.backend.torch.facts import FACTS
 from multigpu.backend.torch.group import bind, join, leave
 
 __all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
 
-def __getattr__(name: str):
-    if name == "Comm":
-        from multigpu.backend.torch.collectives import Comm
-
-        return Comm
-    if name == "Steps":
-        from multigpu.backend.torch.step import TorchSteps
-
-        return TorchSteps
-    raise AttributeError(name)
+__getattr__ = lazy(Comm="multigpu.engine.comm:Comm", Steps="multigpu.backend.torch.step:TorchSteps")

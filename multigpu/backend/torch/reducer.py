@@ -389,7 +389,7 @@ class GradientSync:
     def _check_header(self, got: list[float], tag: int, describe) -> None:
         world = float(len(getattr(self.comm, "members", range(self.comm.world_size))))  # the ranks left
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
-            from multigpu.backend.torch.collectives import CollectiveMismatchError
+            from multigpu.engine.shm import CollectiveMismatchError
             failure.fail(str(CollectiveMismatchError(
                 f"the ranks' optimizer calls did not match: this rank summed {describe()}, and another rank "
                 "something else. Every rank must call the optimizer on the same variables the same number "

@@ -48,7 +48,7 @@ import torch
 from multigpu import env, failure, membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, build_optimizer, optimizers_of, own_method
-from multigpu.backend.steps import StepsCore
+from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
 from multigpu.backend.torch.memory import DeviceMemory, OutOfMemoryStepError
@@ -481,26 +481,21 @@ class TorchSteps(StepsCore):
         rows = batch_rows(x)
         variables = list(model.variables)
         saved = [v.value.detach().clone() for v in variables]
-        began = time.perf_counter()
-        timed: list[float] = []
-        steps = 0
+
+        def one_pass() -> bool:
+            model.zero_grad()
+            _, loss, recorded = self.forward(x, y, sample_weight)
+            loss.backward()
+            return not recorded  # a pass recorded for replay is not what the steps will run
+
         try:
-            while True:
-                t0 = time.perf_counter()
-                model.zero_grad()
-                _, loss, recorded = self.forward(x, y, sample_weight)
-                loss.backward()
-                steps += 1
-                if steps > warmup and not recorded:
-                    timed.append(time.perf_counter() - t0)
-                if (len(timed) >= min_steps and sum(timed) >= min_seconds) or steps >= max_steps + warmup:
-                    break
+            return time_alone(one_pass, rows, warmup=warmup, min_steps=min_steps, min_seconds=min_seconds,
+                              max_steps=max_steps)
         finally:
             with torch.no_grad():
                 for v, s in zip(variables, saved):
                     v.value.copy_(s)
             model.zero_grad()
-        return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
 
     # ---------------------------------------------------------- evaluation
     def test_step(self, data):
