@@ -1,6 +1,7 @@
 """A device lost mid-epoch: how long the survivors take to go on, and how fast they go after it.
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_faults.py     # ~5 min
+    KERAS_BACKEND=tensorflow OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_faults.py --ways shrink,survivors
 
 Three devices train the convnet of ``_input_worker.py`` (width 2, in-memory images, global batch 128,
 ``--steps`` steps an epoch, 3 epochs, SGD) at fixed ratios 1:2:1: ``cpu:0`` and ``cpu:1`` on a core
@@ -47,7 +48,8 @@ def _run(devices: str, ratios: str, extra: list[str], worker: list[str], env_ext
     marks, out = folder / f"{name}.marks", folder / f"{name}.json"
     cmd = [sys.executable, "-m", "multigpu", "run", "--devices", devices, "--ratios", ratios, *extra,
            str(WORKER), "--marks", str(marks), "--out", str(out), *worker]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "torch", **env_extra}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": os.environ.get("KERAS_BACKEND", "torch"),
+           **env_extra}
     began = time.time()
     res = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=900, cwd=folder)
     if res.returncode != 0:
@@ -68,8 +70,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=15, help="the step of epoch 2 (from 1) rank 2 dies at")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "faults" / "faults.json"))
+    p.add_argument("--ways", default="shrink,survivors,restart,rejoin",
+                   help="which runs, comma-separated (shrink and survivors always)")
+    p.add_argument("--out", default=None, help="default: benchmarks/faults/faults[-BACKEND].json")
     a = p.parse_args()
+    backend = os.environ.get("KERAS_BACKEND", "torch")
+    ways = set(a.ways.split(",")) | {"shrink", "survivors"}
+    out = Path(a.out or ROOT / "benchmarks" / "faults" / f"faults{'' if backend == 'torch' else '-' + backend}.json")
     worker = ["--steps", str(a.steps), "--epochs", "3"]
     dying = [*worker, "--die-at", str(a.steps + a.kill_at)]
     steady = (5, a.steps - 1)  # epoch 3's steps, after the first few
@@ -79,54 +86,63 @@ def main() -> None:
             folder = Path(tmp)
             shrink = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--min-devices", "2"], dying, {}, folder, "shrink")
             fresh = _run("cpu:0,cpu:1", "1,2", [], worker, {}, folder, "survivors")
-            restart = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--max-restarts", "1"],
-                           [*dying, "--backup", str(folder / "backup")], {}, folder, "restart")
-            rejoin = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--min-devices", "2", "--max-restarts", "1"],
-                          ["--steps", str(a.steps), "--epochs", str(REJOIN_EPOCHS), "--die-at",
-                           str(a.steps + a.kill_at)], {}, folder, "rejoin")
+            restart = rejoin = None
+            if "restart" in ways:
+                restart = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--max-restarts", "1"],
+                               [*dying, "--backup", str(folder / "backup")], {}, folder, "restart")
+            if "rejoin" in ways:
+                rejoin = _run("cpu:0,cpu:1,cpu:2", "1,2,1", ["--min-devices", "2", "--max-restarts", "1"],
+                              ["--steps", str(a.steps), "--epochs", str(REJOIN_EPOCHS), "--die-at",
+                               str(a.steps + a.kill_at)], {}, folder, "rejoin")
         death = shrink["out"]["lost"][0]["at"]
         after = next(at for at, _, _ in shrink["marks"] if at > death)
-        # The first attempt's last step before the death, then the restarted run's first step (it resumes epoch 2).
-        marks = restart["marks"]
-        last = next(i for i, (_, e, s) in enumerate(marks) if (e, s) == (1, a.kill_at - 2))
-        restart_death, restarted = marks[last][0], marks[last + 1][0]
-        assert (marks[last + 1][1], marks[last + 1][2]) == (1, 0), marks[last + 1]
         row = {
             "seconds_from_death_to_next_step": after - death,
             "before_samples_per_second": _rate(shrink["marks"], 1, 3, a.kill_at - 2),
             "after_samples_per_second": _rate(shrink["marks"], 2, *steady),
             "survivors_samples_per_second": _rate(fresh["marks"], 2, *steady),
-            "restart_seconds_from_death_to_next_step": restarted - restart_death,
-            "restart_steps_done_again": sum(1 for _, e, _ in restart["marks"] if e == 1) - a.steps,
             "seconds_to_finish": {"shrink": shrink["ended"] - shrink["began"],
-                                  "survivors": fresh["ended"] - fresh["began"],
-                                  "restart": restart["ended"] - restart["began"]},
+                                  "survivors": fresh["ended"] - fresh["began"]},
             "shares_after": shrink["out"]["ratios"],
-            "rejoin_seconds_from_death_to_ready": rejoin["out"]["joined"][0]["at"] - rejoin["out"]["lost"][0]["at"],
-            "rejoin_before_samples_per_second": _rate(rejoin["marks"], 1, 3, a.kill_at - 2),
-            "rejoin_after_samples_per_second": _rate(rejoin["marks"], REJOIN_EPOCHS - 1, *steady),
-            "rejoin_shares_after": rejoin["out"]["ratios"],
         }
-        row["rejoin_after_vs_before"] = row["rejoin_after_samples_per_second"] / row["rejoin_before_samples_per_second"]
-        # The last epoch's rate is of all three devices only if rank 2 was back before its measured steps began.
-        began = next(at for at, e, s in rejoin["marks"] if (e, s) == (REJOIN_EPOCHS - 1, steady[0] - 1))
-        if not rejoin["out"]["joined"] or rejoin["out"]["joined"][0]["at"] > began:
-            raise SystemExit(f"rank 2 was not back before the last epoch's measured steps: {rejoin['out']}")
+        if restart is not None:
+            # The first attempt's last step before the death, then the restarted run's first step (it resumes
+            # epoch 2).
+            marks = restart["marks"]
+            last = next(i for i, (_, e, s) in enumerate(marks) if (e, s) == (1, a.kill_at - 2))
+            restart_death, restarted = marks[last][0], marks[last + 1][0]
+            assert (marks[last + 1][1], marks[last + 1][2]) == (1, 0), marks[last + 1]
+            row["restart_seconds_from_death_to_next_step"] = restarted - restart_death
+            row["restart_steps_done_again"] = sum(1 for _, e, _ in restart["marks"] if e == 1) - a.steps
+            row["seconds_to_finish"]["restart"] = restart["ended"] - restart["began"]
+        if rejoin is not None:
+            row["rejoin_seconds_from_death_to_ready"] = (rejoin["out"]["joined"][0]["at"]
+                                                         - rejoin["out"]["lost"][0]["at"])
+            row["rejoin_before_samples_per_second"] = _rate(rejoin["marks"], 1, 3, a.kill_at - 2)
+            row["rejoin_after_samples_per_second"] = _rate(rejoin["marks"], REJOIN_EPOCHS - 1, *steady)
+            row["rejoin_shares_after"] = rejoin["out"]["ratios"]
+            row["rejoin_after_vs_before"] = (row["rejoin_after_samples_per_second"]
+                                             / row["rejoin_before_samples_per_second"])
+            # The last epoch's rate is of all three devices only if rank 2 was back before its measured steps.
+            began = next(at for at, e, s in rejoin["marks"] if (e, s) == (REJOIN_EPOCHS - 1, steady[0] - 1))
+            if not rejoin["out"]["joined"] or rejoin["out"]["joined"][0]["at"] > began:
+                raise SystemExit(f"rank 2 was not back before the last epoch's measured steps: {rejoin['out']}")
         row["after_vs_survivors"] = row["after_samples_per_second"] / row["survivors_samples_per_second"]
         rounds.append(row)
         print(json.dumps(row), flush=True)
-    keys = ["seconds_from_death_to_next_step", "before_samples_per_second", "after_samples_per_second",
-            "survivors_samples_per_second", "after_vs_survivors", "restart_seconds_from_death_to_next_step",
-            "restart_steps_done_again", "rejoin_seconds_from_death_to_ready", "rejoin_after_vs_before"]
+    keys = [k for k in ("seconds_from_death_to_next_step", "before_samples_per_second", "after_samples_per_second",
+                        "survivors_samples_per_second", "after_vs_survivors",
+                        "restart_seconds_from_death_to_next_step", "restart_steps_done_again",
+                        "rejoin_seconds_from_death_to_ready", "rejoin_after_vs_before") if k in rounds[0]]
     summary = {k: statistics.median(r[k] for r in rounds) for k in keys}
     summary["seconds_to_finish"] = {w: statistics.median(r["seconds_to_finish"][w] for r in rounds)
-                                    for w in ("shrink", "survivors", "restart")}
+                                    for w in rounds[0]["seconds_to_finish"]}
     print("median of", len(rounds), "rounds:")
     for k, v in summary.items():
         print(f"  {k}: {v if isinstance(v, dict) else round(v, 3)}")
-    Path(a.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                       "cores": os.cpu_count(), "steps": a.steps, "kill_at": a.kill_at,
-                                       "rounds": rounds, "median": summary}, indent=1))
+    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "backend": backend,
+                               "cores": os.cpu_count(), "steps": a.steps, "kill_at": a.kill_at,
+                               "rounds": rounds, "median": summary}, indent=1))
 
 
 if __name__ == "__main__":

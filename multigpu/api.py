@@ -151,9 +151,10 @@ def parallelize(
             and the result stays exact; under ``multigpu run --max-restarts
             K`` its process is started again and rejoins at a step of
             ``fit``.  ``None`` (default): a lost device ends the run.  On
-            torch under ``python train.py``, ``multigpu run`` and
-            ``multigpu.launch``, for arrays and tensors
-            (``MULTIGPU_MIN_DEVICES`` when unset).
+            torch and TensorFlow under ``python train.py``, ``multigpu run``
+            and ``multigpu.launch``, for arrays and tensors
+            (``MULTIGPU_MIN_DEVICES`` when unset); JAX keeps restart and
+            resume (its sums run inside XLA and cannot leave a broken group).
         sync_batchnorm: compute BatchNormalization's batch statistics over
             the whole global batch, so a BatchNorm model reproduces the
             single-device run; by default each device normalises over its
@@ -333,9 +334,9 @@ def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:
         where = (f"the {facts.name} backend" if not facts.elastic
                  else f"{runtime.environment.name if runtime.environment else 'this launcher'}")
         say(f"min_devices={min_devices}: on {where} a lost device ends the run (restart it with "
-            "BackupAndRestore); going on without one needs torch under multigpu's own supervisor")
+            "BackupAndRestore); going on without one needs torch or TensorFlow under multigpu's own supervisor")
         return
-    if all(d.is_cuda for d in runtime.devices):
+    if all(d.is_cuda for d in runtime.devices) and not facts.sums_on_host:
         say(f"min_devices={min_devices}: on GPUs alone (an NCCL group) a lost device ends the run (restart it with "
             "BackupAndRestore): a sum that a lost GPU leaves unfinished waits on the others' GPUs, where leaving "
             "it needs NCCL's abort, which multigpu does not call; going on without a lost device needs a gloo "

@@ -84,6 +84,40 @@ def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, tr
     assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
 
 
+@pytest.fixture(scope="module")
+def one_device_tf(tmp_path_factory):
+    import subprocess
+
+    out = tmp_path_factory.mktemp("plain-tf") / "plain.npz"
+    subprocess.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), "--plain"], check=True, timeout=180,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow"}, capture_output=True)
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize(("faults", "transport", "lost", "min_devices"), [
+    ("1:forward:4", "shm", [1], "2"),  # issue 53's run: rank 1 killed with SIGKILL mid-epoch
+    # silent (SIGSTOP) before its forward pass, then rank 2 inside the sum; rank 0 in validation, over gloo
+    pytest.param("1:forward/stop:4,2:sum:14", "shm", [1, 2], "1", marks=pytest.mark.outside),
+    pytest.param("2:update:5,0:validation:2", "gloo", [2, 0], "1", marks=pytest.mark.outside),
+], ids=["killed-forward", "silent-sum", "update-validation-rank0-gloo"])
+def test_on_tensorflow_the_survivors_finish_every_epoch_exactly(runner, one_device_tf, faults, transport, lost,
+                                                                min_devices):
+    """TensorFlow sums on the engine torch sums on (shared memory, gloo), and goes on without a lost device
+    the same way: three devices at 1:2:5, the survivors take the lost ranks' rows from the step they were lost
+    in, and the weights and History equal one device's on TensorFlow."""
+    before = _shm()
+    out = runner.tmp_path / "run.npz"
+    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", min_devices],
+                     timeout=220, extra_env={"MULTIGPU_FAULT": faults, "MULTIGPU_TRANSPORT": transport,
+                                             "KERAS_BACKEND": "tensorflow"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert _compare(out, one_device_tf) == lost
+    assert res.stdout.count("again on 2 devices") + res.stdout.count("again on 1 device") >= 1
+    assert runner.leftovers() == []
+    assert _shm() <= before
+    assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
+
+
 @pytest.mark.parametrize(("source", "faults", "lost"), [
     ("pydataset", "0:forward:4", [0]),  # rank 0 read a turn of the batches: rank 1 reads it on
     ("generator", "1:input:5", [1]),  # not the generator's reader: rank 0 reads on, the batch is cut again
@@ -162,13 +196,16 @@ def test_min_devices_says_where_a_lost_device_still_ends_the_run(monkeypatch, tm
 
     monkeypatch.setenv("MULTIGPU_RUN_DIR", str(tmp_path))
     monkeypatch.setattr(membership, "start_heartbeat", lambda rank: None)
-    torch_ = SimpleNamespace(name="torch", elastic=True)
+    torch_ = SimpleNamespace(name="torch", elastic=True, sums_on_host=False)
+    tensorflow = SimpleNamespace(name="tensorflow", elastic=True, sums_on_host=True)
     ours = SimpleNamespace(name="multigpu", knows_every_device=True)
     for devices, facts, environment, allowed, said in [
         (["cpu:0", "cpu:1"], torch_, ours, True, None),
         (["gpu:0", "gpu:1"], torch_, ours, False, "on GPUs alone (an NCCL group) a lost device ends the run"),
         (["gpu:0", "cpu:0"], torch_, ours, True, None),  # one gloo group for both
-        (["cpu:0", "cpu:1"], SimpleNamespace(name="jax", elastic=False), ours, False,
+        (["cpu:0", "cpu:1"], tensorflow, ours, True, None),
+        (["gpu:0", "gpu:1"], tensorflow, ours, True, None),  # TensorFlow sums on the host: a gloo group
+        (["cpu:0", "cpu:1"], SimpleNamespace(name="jax", elastic=False, sums_on_host=False), ours, False,
          "on the jax backend a lost device ends"),
         (["cpu:0", "cpu:1"], torch_, SimpleNamespace(name="torchrun", knows_every_device=False), False,
          "on torchrun a lost device ends the run"),
@@ -250,9 +287,9 @@ def test_ranks_a_step_apart_take_the_state_of_the_first_one_ahead_and_others_end
     from types import SimpleNamespace
 
     from multigpu import failure
-    from multigpu.backend.torch.step import TorchSteps
+    from multigpu.backend.recovery import Recovery
 
-    steps = SimpleNamespace(comm=SimpleNamespace(members=[0, 1, 3]))
+    recovery = SimpleNamespace(comm=SimpleNamespace(members=[0, 1, 3]))
 
     def seen(*places):
         out = [None] * 4
@@ -260,16 +297,16 @@ def test_ranks_a_step_apart_take_the_state_of_the_first_one_ahead_and_others_end
             out[r] = {"at": (epoch, step, training), "done": [done]}
         return out
 
-    assert TorchSteps._ahead(steps, seen((1, 4, True, 14), (1, 4, True, 14), (1, 4, True, 14))) is None
-    assert TorchSteps._ahead(steps, seen((1, 4, True, 13), (1, 5, True, 14), (1, 5, True, 14))) == [1, 3]
-    assert TorchSteps._ahead(steps, seen((1, 5, True, 14), (1, 4, True, 13), (1, 4, True, 13))) == [0]
+    assert Recovery._ahead(recovery, seen((1, 4, True, 14), (1, 4, True, 14), (1, 4, True, 14))) is None
+    assert Recovery._ahead(recovery, seen((1, 4, True, 13), (1, 5, True, 14), (1, 5, True, 14))) == [1, 3]
+    assert Recovery._ahead(recovery, seen((1, 5, True, 14), (1, 4, True, 13), (1, 4, True, 13))) == [0]
     said = []
     monkeypatch.setattr(failure, "fail", lambda reason: said.append(reason) or (_ for _ in ()).throw(SystemExit(1)))
     for places in [((1, 3, True, 12), (1, 5, True, 14), (1, 5, True, 14)),  # two steps apart
                    ((1, 9, True, 19), (1, 9, False, 20), (1, 9, False, 20)),  # ahead past the epoch's end
                    ((1, 4, True, 13), (1, 5, True, 14), (1, 4, True, 12))]:  # three places
         with pytest.raises(SystemExit):
-            TorchSteps._ahead(steps, seen(*places))
+            Recovery._ahead(recovery, seen(*places))
     assert said[0].startswith("the ranks left are at different places after losing a rank (rank 0: epoch 2, step 4, "
                               "updates [12]; rank 1: epoch 2, step 6, updates [14]; rank 3: epoch 2, step 6, updates "
                               "[14]): the lost rank's sum reached some of them only.")

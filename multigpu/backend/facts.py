@@ -40,6 +40,8 @@ class Facts:
         shard_optimizer: whether ``parallelize(..., shard_optimizer=True)`` is built for the backend.
         elastic: whether a run may go on without a lost device (``min_devices``): its engine can leave a
             broken group and form a new one of the survivors.
+        sums_on_host: whether the step's sums run in host memory whatever the devices (a gloo group even
+            on GPUs alone), rather than on the devices (NCCL where every device is a GPU).
     """
 
     name: str
@@ -51,3 +53,4 @@ class Facts:
     versions: Callable[[], dict] = field(default=dict)
     shard_optimizer: bool = False
     elastic: bool = False
+    sums_on_host: bool = False

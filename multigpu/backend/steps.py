@@ -139,9 +139,11 @@ class StepsCore:
             offset += a.size
 
     # ---------------------------------------------------------- backend hooks
-    def _broadcast_variables(self, variables: Sequence, what: str) -> None:
-        """Rank 0's values of ``variables`` (Keras variables) on every rank."""
-        for v, value in zip(variables, self.comm.broadcast([np.asarray(v) for v in variables], what=what)):
+    def _broadcast_variables(self, variables: Sequence, what: str, src: int | None = None) -> None:
+        """Rank ``src``'s values of ``variables`` (Keras variables) on every rank (by default the leader's)."""
+        arrays = [np.asarray(v) for v in variables]
+        sent = self.comm.broadcast(arrays, what=what) if src is None else self.comm.broadcast(arrays, src, what)
+        for v, value in zip(variables, sent):
             v.assign(value)
 
     def _offset_seeds(self, variables: Sequence, offset: int) -> None:
@@ -210,6 +212,32 @@ class StepsCore:
         self._broadcast_variables(self._state_variables(with_optimizers=True),
                                   "sending the state to the ranks that came back")
         self._offset_seeds(seeds, SEED_STRIDE * (self.comm.rank - self.comm.leader))
+
+    # ------------------------------------------------ recovery's hooks (multigpu/backend/recovery.py)
+    # A backend whose facts say it is elastic gives these; the protocol itself is Recovery's.
+    def snapshot(self):
+        """What a step changes before its sum (non-trainable variables; the metric states kept aside)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def restore_forward(self, kept) -> None:
+        """Puts back the non-trainable variables :meth:`snapshot` kept (a step taken again)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def undo_updates(self) -> None:
+        """A step of the model's own, whose logs are summed after its updates: what its updates changed."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def take_over_metrics(self) -> None:
+        """The lost ranks' metric counts, taken over by the ranks left (the global sums stay right)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def metrics_from_zero(self) -> None:
+        """This rank's metric states start again at 0 (it finished its step with another rank's sum)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
+        """Finishes this rank's training step with another rank's sum and shares; returns the step's logs."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
     def _calibrate(self, solo: Callable[[], tuple[float, float]]) -> None:
         """Sets automatic shares from each rank's ``solo()`` (samples/s alone, seconds it took)."""

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
                         "again instead (it rejoins at a step of fit)")
     p.add_argument("--min-devices", type=int, default=None,
                    help="go on without a lost device while this many are left, for a script that passes no "
-                        "min_devices (torch; default: a lost device ends the run)")
+                        "min_devices (torch and TensorFlow; default: a lost device ends the run)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help="multigpu's messages in every process of the run: debug, info (default), warning, error")
     p.add_argument("script", help="the Python script to run")

@@ -135,7 +135,7 @@ class ParallelModel:
 
     def _regrouped(self, members) -> None:
         """A new group: a lost rank's shares go to the others from the next plan on (the step plans its batch
-        again); ranks that came back get theirs when they are welcomed (:meth:`TorchSteps._welcome`)."""
+        again); ranks that came back get theirs when they are welcomed (:mod:`multigpu.backend.recovery`)."""
         self.lost = [dict(e) for e in members.lost]
         self.joined = [dict(e) for e in members.joined]
         out = [r for r in range(self.runtime.world_size) if r not in members.members]

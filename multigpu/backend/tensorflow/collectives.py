@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from multigpu.engine.comm import Comm as _Engine
+from multigpu.membership import PeerLostError
 
 __all__ = ["Comm"]
 
@@ -37,15 +38,61 @@ class Comm:
         self.world_size = runtime.world_size
         self.transport = self.engine.transport
         self.fatal = self.engine.fatal
+        self._lost: PeerLostError | None = None  # a loss met by a sum called from a TensorFlow function
 
-    # ------------------------------------------------------- the group
-    # A group that never shrinks (the backend is not elastic): every rank stays in it, rank 0 leads.
-    leader = 0
-    joining = False
-    rejoined = False
+    # ------------------------------------------------------- the group (the engine's)
+    @property
+    def leader(self) -> int:
+        """The rank that writes, logs and saves: rank 0, or the lowest one left after rank 0 was lost."""
+        return self.engine.leader
+
+    @property
+    def members(self) -> list[int]:
+        return self.engine.members
+
+    @property
+    def generation(self) -> int:
+        return self.engine.generation
+
+    @property
+    def min_devices(self) -> int | None:
+        return self.engine.min_devices
+
+    @min_devices.setter
+    def min_devices(self, value: int | None) -> None:
+        self.engine.min_devices = value
+
+    @property
+    def joining(self) -> bool:
+        return self.engine.joining
+
+    @property
+    def rejoined(self) -> bool:
+        return self.engine.rejoined
 
     def on_regroup(self, listener) -> None:
-        """Takes a listener for new groups of survivors, which this backend never forms."""
+        """Calls ``listener(members)`` after each new group of survivors (the shares drop the lost devices)."""
+        self.engine.on_regroup(listener)
+
+    def regroup(self, members) -> None:
+        self.engine.regroup(members)
+
+    def join_waiting(self) -> bool:
+        return self.engine.join_waiting()
+
+    def rejoin(self):
+        return self.engine.rejoin()
+
+    def welcome(self, message):
+        return self.engine.welcome(message)
+
+    def share(self, obj, src: int, what: str):
+        return self.engine.share(obj, src, what)
+
+    def take_lost(self) -> PeerLostError | None:
+        """The loss a sum met inside a TensorFlow function (where TensorFlow wraps the error), once."""
+        lost, self._lost = self._lost, None
+        return lost
 
     def reduce(self, vector, what: str = "summing gradients") -> np.ndarray:
         """The sum over ranks of a 1-D float32, float16 or bfloat16 array, as NumPy of the same dtype (valid
@@ -59,7 +106,11 @@ class Comm:
             buf.view(torch.int16).numpy()[:] = vector.view(np.int16)
         else:
             buf.numpy()[:] = vector
-        summed = self.engine.reduce(buf, what=what, describe=lambda: f"{vector.size} {vector.dtype} values")
+        try:
+            summed = self.engine.reduce(buf, what=what, describe=lambda: f"{vector.size} {vector.dtype} values")
+        except PeerLostError as lost:
+            self._lost = lost  # the group of the ranks left is formed: the step is taken again over them
+            raise
         if dtype == torch.bfloat16:
             return summed.view(torch.int16).numpy().view(vector.dtype)
         return summed.numpy()
@@ -99,8 +150,9 @@ class Comm:
         """Sums a short list of floats over ranks (float64)."""
         return self.engine.sum_floats(values, what)
 
-    def broadcast(self, arrays: Sequence, src: int = 0, what: str = "broadcasting the initial weights") -> list:
-        """Rank ``src``'s arrays on every rank (NumPy arrays in, NumPy arrays out)."""
+    def broadcast(self, arrays: Sequence, src: int | None = None,
+                  what: str = "broadcasting the initial weights") -> list:
+        """Rank ``src``'s arrays on every rank, by default the leader's (NumPy arrays in, NumPy arrays out)."""
         tensors = [torch.from_numpy(np.array(a, copy=True).reshape(np.shape(a))) for a in arrays]
         self.engine.broadcast(tensors, src, what)
         return [t.numpy() for t in tensors]

@@ -32,6 +32,16 @@ own beside the float32 rest.  A ``train_step`` or ``test_step`` of the
 model's own runs as :mod:`.custom` says.  With ``sync_batchnorm=True`` every
 BatchNormalization layer normalises with the statistics of the global batch
 (:mod:`.batchnorm`).
+
+With ``min_devices`` a lost device does not end the run: its sum raises
+:class:`~multigpu.membership.PeerLostError` over the group of the ranks left
+(the engine's, :mod:`multigpu.engine`), and the step is taken again over
+them, exactly, by :class:`~multigpu.backend.recovery.Recovery` through the
+hooks below (``snapshot``, ``restore_forward``, ``undo_updates``,
+``take_over_metrics``, ``metrics_from_zero``, ``finish_sum``).  The step then
+runs as two functions around the sum (a loss inside one function would leave
+its later updates unknown), and the sum's last word says when a lost rank
+started again waits to come back.
 """
 
 from __future__ import annotations
@@ -42,13 +52,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.facts import HALF_PRECISION
+from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.tensorflow.custom import CustomSteps
 from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
 from multigpu.balancing.timing import StepRecord
+from multigpu.membership import PeerLostError
 
 __all__ = ["TensorFlowSteps"]
 
@@ -77,6 +90,10 @@ class TensorFlowSteps(StepsCore):
         self._train = self._test = self._predict = None
         self._applied = False  # the update function has been traced (by the first training step)
         self._local_results = False  # inside a step run eagerly: metric results are this rank's own
+        self.recovery = Recovery(self)
+        self._kept_metrics: np.ndarray | None = None  # this rank's metric states before the step (recovery)
+        self._kept_updates: list | None = None  # a step of the model's own: what its updates may change
+        self._summed_states: np.ndarray | None = None  # the last global metric states read
 
     def methods(self) -> dict:
         """What the model instance gets."""
@@ -180,7 +197,8 @@ class TensorFlowSteps(StepsCore):
 
         self._local = self._function(local)
         self._apply = self._function(apply)
-        fused = not self.model.run_eagerly and not self.model.jit_compile  # XLA cannot call into Python
+        # XLA cannot call into Python; a run that may lose a rank takes a step again from between the two
+        fused = not self.model.run_eagerly and not self.model.jit_compile and not self.recovery.elastic
         self._step = self._function(step) if fused else None
         self._applied = False
         self._train = True
@@ -219,19 +237,47 @@ class TensorFlowSteps(StepsCore):
         self._ready(data)
         if self._train is None:
             self._build_train()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
+        recovery = self.recovery
+        if self.balancer.lost and any(plan.sizes[r] for r in self.balancer.lost):
+            data, plan = recovery.cut_again(plan)  # planned ahead of a loss
+            data = _tensors(data)
+        if recovery.welcome_due:
+            plan, data = recovery.welcome()
+            data = _tensors(data)
         if not self.balancer.calibrated:
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             self._calibrate(lambda: self._solo_rate(x, y, sample_weight, plan.local))
+        while True:
+            kept = recovery.keep()
+            try:
+                return self._train_on(data, plan)
+            except Exception as exc:  # a loss inside a TensorFlow function comes wrapped in TensorFlow's error
+                lost = self.comm.take_lost() or (exc if isinstance(exc, PeerLostError) else None)
+                if lost is None:
+                    raise
+                data, plan, logs = recovery.after_loss(lost, kept, for_step=True)
+                if logs is not None:
+                    return logs  # the step was done elsewhere: this rank took its state
+                data = _tensors(data)
+
+    def _train_on(self, data, plan) -> dict:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        membership.at("forward", self.comm.rank)
         self._fresh = None
         if self.user_train_step is not None:
+            if self.recovery.elastic:  # its logs are summed after its updates: what they change is kept
+                self._kept_updates = [(v, v.numpy()) for v in self._state_variables(with_optimizers=True)]
             logs, self._fresh = self.custom.train(data, plan)
+            self._kept_updates = None
             return logs
         traced = not self._applied  # the first step traces every function: not a measurement of the shares
         if plan.local == 0 and self._sparse is None:
             self._learn_gradients(x, y, sample_weight)
         self.timing.begin()
-        tail = np.asarray([float(plan.local), *self.timing.vector()], dtype=np.float32)
+        tail = np.asarray([float(plan.local), *self.timing.vector(), float(self.recovery.waiting())],
+                          dtype=np.float32)
         weight = tf.constant(plan.weight, tf.float32)
         if self.global_batchnorm is not None:
             self.global_batchnorm.begin_step(1.0)  # the loss carries the weight
@@ -247,6 +293,10 @@ class TensorFlowSteps(StepsCore):
                     self._exchange_idle(x, y, sample_weight)
                 grads, states, slices = self._idle_parts()
             summed, *slices = self._exchange(grads, states, tail, *slices)
+            rest = summed[grads.size:]
+            self._summed_states = rest[: states.size]
+            self.recovery.read(list(rest), states.size, waiting=rest[-1] > 0)
+            membership.at("update", self.comm.rank)
             logs = self._apply(tf.constant(summed), tuple(slices))
             timing = summed[grads.size + states.size + 1 :]
         self._applied = True
@@ -287,8 +337,14 @@ class TensorFlowSteps(StepsCore):
         for v, value in kept:
             v.assign(value)
 
-    def _record(self, timing) -> None:
-        self.balancer.record(StepRecord.from_vector([float(v) for v in timing], self.comm.world_size, complete=True))
+    def _record(self, timing, adopt: dict | None = None) -> None:
+        """Reads a training step's summed timings (their last word is :meth:`Recovery.waiting`'s)."""
+        rec = StepRecord.from_vector([float(v) for v in timing[:-1]], self.comm.world_size, complete=True,
+                                     members=self.comm.members)
+        if adopt is None:
+            self.balancer.record(rec)
+        else:
+            self.balancer.caught_up(rec, **adopt)
 
     def _solo_rate(self, x, y, sample_weight, rows: int, *, min_steps: int = 2, min_seconds: float = 1.0,
                    max_steps: int = 30) -> tuple[float, float]:
@@ -347,8 +403,19 @@ class TensorFlowSteps(StepsCore):
         if self.user_test_step is not None:
             logs, self._fresh = self.custom.test(data, rows)
             return logs
-        states = self._test_local(x, y, sample_weight).numpy() if rows > 0 else self._states()
-        summed = self.comm.reduce(states, "summing the step's metrics")
+        while True:
+            kept = self.recovery.keep()
+            try:
+                membership.at("validation", self.comm.rank)
+                states = self._test_local(x, y, sample_weight).numpy() if rows > 0 else self._states()
+                summed = self.comm.reduce(states, "summing the step's metrics")
+                break
+            except PeerLostError as lost:
+                self.comm.take_lost()
+                data, _, _ = self.recovery.after_loss(lost, kept, for_step=False)
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_tensors(data))
+                rows = batch_rows(x)
+        self._summed_states = np.array(summed)
         logs = self._test_results(tf.constant(summed))
         self._fresh = logs
         return logs
@@ -383,6 +450,61 @@ class TensorFlowSteps(StepsCore):
         outputs = self._predict((one_row_of_zeros(x),))
         return keras.tree.map_structure(lambda a: a[:0], outputs)
 
+    # ---------------------------------------------------------- recovery's hooks (backend/recovery.py)
+    def snapshot(self) -> list:
+        self._kept_metrics = self._states()
+        return [(v, v.numpy()) for v in self.model.non_trainable_variables]
+
+    def restore_forward(self, kept: list | None) -> None:
+        for v, value in kept or ():
+            v.assign(value)
+
+    def undo_updates(self) -> None:
+        for v, value in self._kept_updates or ():
+            v.assign(value)
+        self._kept_updates = None
+
+    def take_over_metrics(self) -> None:
+        """Every rank back to its metric states before the step; the leader adds what the lost ranks had
+        counted (the last sum less the survivors' part), so that the global results go on as before."""
+        kept = self._kept_metrics
+        if kept is None:
+            return
+        self._load_states(kept)
+        if self._summed_states is None:
+            return
+        survivors = np.asarray(self.comm.sum_floats(kept.tolist(), "summing the metrics of the ranks left"),
+                               np.float32)
+        if self.comm.rank == self.comm.leader:
+            self._load_states(kept + (self._summed_states - survivors))
+
+    def metrics_from_zero(self) -> None:
+        if self._kept_metrics is not None:
+            self._kept_metrics = np.zeros_like(self._kept_metrics)
+
+    def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
+        """This rank's training step finished with another rank's sum: its metric states (the first
+        ``n_timing`` values, as :meth:`_train_on` noted them) give the logs, the rest the step's record."""
+        if self.user_train_step is not None:
+            from multigpu import failure
+
+            failure.fail("a sum of a train_step of the model's own reached some ranks only before a rank was lost; "
+                         "on TensorFlow such a step cannot be finished with another rank's sum, so the run ends")
+        values = np.asarray(summed, np.float32)
+        states, tail = values[:n_timing], values[n_timing:]
+        self._summed_states = states
+        logs = metric_results(self.model, tf.constant(states), list(self.model.metrics_variables), 0)
+        self._record(tail[1:], adopt)
+        return logs
+
+    def _load_states(self, values: np.ndarray) -> None:
+        offset = 0
+        for v in self.model.metrics_variables:
+            n = int(np.prod(v.shape))
+            v.assign(np.reshape(values[offset : offset + n], v.shape).astype(v.dtype))
+            offset += n
+        self._fresh = None
+
     # ---------------------------------------------------------- metrics
     def _states(self) -> np.ndarray:
         """The model's metric states now, as one float32 vector."""
@@ -402,3 +524,8 @@ class TensorFlowSteps(StepsCore):
     def reset_metrics(self):
         self._fresh = None
         return self.keras_reset_metrics()
+
+
+def _tensors(data):
+    """A batch cut again (NumPy or tensors) as tensors, as the step's functions take it."""
+    return keras.tree.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), data)

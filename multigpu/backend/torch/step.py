@@ -21,33 +21,24 @@ for that path alone each optimizer's ``apply`` is wrapped (once, when the
 optimizer is first seen) to take the same weighted sum first, and the logs
 become global in one collective after the step.
 
-When a rank is lost during a step (:mod:`multigpu.membership`), its sum
-raises :class:`~multigpu.membership.PeerLostError` before any weight changed: the
-step puts back what its forward pass changed (metric states, non-trainable
-variables such as BatchNorm's moving statistics; and for a step of the
-model's own, whose logs are summed after its updates, what those updates
-changed), plans the same global batch over the ranks left, and runs again on
-its new rows.  A sum that the loss cut short on some ranks after others had
-it (a ring collective broken midway) leaves the ones that had it a step
-ahead: the others take the state of one of them and finish their step with
-its logs (:meth:`TorchSteps._catch_up`).  When a lost rank's
-process, started again, waits to come back, the ranks say so in the sum's
-last word; at the next step they form a group with it, send it the run's
-position and state (:meth:`TorchSteps._welcome`), and plan that step's batch
-over every device in the run.
+When a rank is lost during a step, the step is taken again over the ranks
+left, exactly, by the neutral :class:`~multigpu.backend.recovery.Recovery`
+through the hooks these steps give it (``snapshot``, ``restore_forward``,
+``undo_updates``, ``take_over_metrics``, ``metrics_from_zero``,
+``finish_sum``).
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import keras
 import torch
 
-from multigpu import env, failure, membership
+from multigpu import membership
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows, build_optimizer, optimizers_of, own_method
+from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
+from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
@@ -57,7 +48,6 @@ from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
 from multigpu.balancing.timing import StepRecord
-from multigpu.log import logger as log
 
 __all__ = ["TorchSteps"]
 
@@ -96,8 +86,7 @@ class TorchSteps(StepsCore):
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
         self.shards = ShardedOptimizers(self.comm, parallel.ledger) if parallel.options.shard_optimizer else None
-        self._welcome_due = False  # the last sum said ranks coming back wait: take them in at this step
-        self._last_train: tuple[list[float], int] | None = None  # the last training sum read (may lose a rank)
+        self.recovery = Recovery(self)
         if self.sync_batchnorm:
             install_global_moments(model, parallel.ledger)
 
@@ -133,20 +122,21 @@ class TorchSteps(StepsCore):
         self._initialize()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
+        recovery = self.recovery
         if self.balancer.lost and any(plan.sizes[r] for r in self.balancer.lost):
-            data, plan = self._cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
+            data, plan = recovery.cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if self._welcome_due:
-            plan, data = self._welcome()
+        if recovery.welcome_due:
+            plan, data = recovery.welcome()
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if not self.balancer.calibrated:
             self._calibrate_on(x, y, sample_weight, plan)
         while True:
-            kept = self._keep()
+            kept = recovery.keep(also=self.memory.bounded)
             try:
                 return self._train_on(data, x, y, sample_weight, plan)
             except membership.PeerLostError as lost:
-                data, plan, logs = self._after_loss(lost, kept, for_step=True)
+                data, plan, logs = recovery.after_loss(lost, kept, for_step=True)
                 if logs is not None:
                     return logs  # the step was done elsewhere: this rank took its state
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -154,156 +144,35 @@ class TorchSteps(StepsCore):
                 data, plan = self._after_out_of_memory(short, kept, plan)
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
-    # ---------------------------------------------------------- a lost rank
-    def _keep(self) -> list | None:
-        """In a run that may lose a rank, or run out of memory: the states a step changes before its sum (kept
-        to take it again)."""
-        if self.comm.min_devices is None and not self.memory.bounded:
-            return None
+    # ---------------------------------------------------------- recovery's hooks (backend/recovery.py)
+    def snapshot(self) -> list:
+        """The states a step changes before its sum: metric states (kept by ``metrics``), non-trainables."""
         self.metrics.keep()
         return [v.value.detach().clone() for v in self.model.non_trainable_variables]
 
-    def _after_loss(self, lost: membership.PeerLostError, kept: list | None, for_step: bool):
-        """After the group of the ranks left formed (the sum did that): ``(new rows, new plan, None)``, the
-        step's changes undone, the lost ranks' metric counts taken over, and the same global batch planned
-        again; or, on a rank that the loss left a step behind others (:meth:`_catch_up`), ``(None, None, logs)``:
-        its step is done, with their state."""
-        began = time.perf_counter()
+    def restore_forward(self, kept: list | None) -> None:
+        with torch.no_grad():
+            for v, value in zip(self.model.non_trainable_variables, kept or ()):
+                v.value.copy_(value)
+
+    def undo_updates(self) -> None:
         self.sync.undo()  # a step of the model's own: what its updates changed before its logs' sum failed
-        position = self.parallel.position
-        where = {"at": (position.get("epoch", 0), position.get("step", 0), for_step),
-                 "done": [int(keras.ops.convert_to_numpy(o.iterations)) for o in self._optimizers()]}
-        seen = self.comm.gather_objects(where, "comparing the steps done")
-        ahead = self._ahead(seen)
-        behind = ahead is not None and self.comm.rank not in ahead
-        if not behind:
-            with torch.no_grad():
-                for v, value in zip(self.model.non_trainable_variables, kept or ()):
-                    v.value.copy_(value)
-        logs = self._catch_up(ahead[0], behind) if ahead is not None else None
+
+    def take_over_metrics(self) -> None:
         self.metrics.take_over(self.comm)
-        entry = lost.members.lost[-1]
-        if ahead is not None and self.comm.rank == self.comm.leader:
-            others = [r for r in self.comm.members if r not in ahead]
-            log.info(f"the sum of step {seen[ahead[0]]['at'][1]} reached rank(s) {ahead} and not {others} "
-                     f"before rank {entry['rank']} was lost: rank(s) {others} took rank {ahead[0]}'s weights, "
-                     f"optimizer state and logs of that step ({time.perf_counter() - began:.2f} s).")
-        if behind:
-            return None, None, logs
-        again = self.balancer.planner.again(for_step)
-        if again is None:
-            failure.fail(f"{lost}, but this batch cannot be cut again: a DataLoader over a map-style dataset draws "
-                         "its validation batches ahead of the step, so the one being evaluated is not known. Going "
-                         "on after a loss during validation needs validation data of arrays, tensors, a "
-                         "keras.utils.PyDataset, a generator, a tf.data or grain dataset.")
-        plan, data = again
-        if self.comm.rank == self.comm.leader:
-            shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
-            done = where["done"]
-            at = f"step {done[0] + 1}" if for_step and done else "a validation batch"
-            n = len(self.comm.members)
-            log.info(f"lost rank {entry['rank']} ({entry['device']}, {entry['why']}); {at} again on "
-                     f"{n} device{'s' if n > 1 else ''}, "
-                     f"rows {shares} of {plan.total}; {time.time() - entry['at']:.1f} s after the loss "
-                     f"({time.perf_counter() - began:.2f} s to agree).")
-        return data, plan, None
 
-    def _ahead(self, seen: list) -> list[int] | None:
-        """The ranks a step ahead of the others (in group order), or None when every rank left is where the
-        others are; the run ends, saying why, when the ranks left cannot be brought to one state."""
-        members = self.comm.members
-        places = {r: (tuple(seen[r]["at"]), tuple(seen[r]["done"])) for r in members}
-        if len(set(places.values())) == 1:
-            return None
-        first = max(places.values())
-        ahead = [r for r in members if places[r] == first]
-        rest = {places[r] for r in members if places[r] != first}
-        (epoch, step, training), done = first
-        if len(rest) == 1:
-            (b_epoch, b_step, b_training), b_done = next(iter(rest))
-            if (training and b_training and b_epoch == epoch and b_step + 1 == step
-                    and all(a >= b for a, b in zip(done, b_done))):
-                return ahead
-        where = "; ".join(f"rank {r}: epoch {(at := places[r][0])[0] + 1}, "
-                          f"{'step' if at[2] else 'validation after step'} {at[1] + 1}, updates {list(places[r][1])}"
-                          for r in members)
-        failure.fail(f"the ranks left are at different places after losing a rank ({where}): the lost rank's sum "
-                     "reached some of them only. A rank one training step behind the others takes their state; "
-                     "these are further apart (more than one step, past the end of an epoch, or in more than two "
-                     "places), so the run ends.")
-
-    def _catch_up(self, src: int, behind: bool):
-        """When the lost rank's sum reached some ranks only, which applied that step and went on to the next:
-        rank ``src`` (the first of them) sends its weights and optimizer state, the sum it read and the shares
-        it planned with, and a rank that missed the sum (``behind``) finishes its step with them, as if its sum
-        had arrived: the step's global logs (returned), the step's record, its metric states at 0 (the global
-        sums stay right: the writer takes over the difference). Its non-trainable variables (BatchNorm's
-        moving statistics, its random streams) stay its own, as they are after its forward pass."""
-        leading = self.comm.rank == src
-        message = self.comm.share({"summed": self._last_train, **self.balancer.catch_up_state()} if leading
-                                  else None, src, "sending the step some ranks missed")
-        trainable = list(self.model.trainable_variables)
-        state, ids = list(trainable), {id(v) for v in trainable}
-        for optimizer in self._optimizers():
-            build_optimizer(optimizer, trainable)
-            state += [v for v in optimizer.variables if id(v) not in ids]
-            ids.update(id(v) for v in optimizer.variables)
-        self._broadcast_variables(state, "sending the state of a step some ranks missed", src=src)
-        if not behind:
-            return None
-        summed, n_timing = message["summed"]
-        adopt = {"ratios": message["ratios"], "before_loss": message["before_loss"]}
-        logs = self._finish(summed, "train", n_timing, adopt=adopt)
-        self._welcome_due = False  # the others read that word before the loss, at the step they take again
+    def metrics_from_zero(self) -> None:
         self.metrics.start_from_zero()
-        return logs
 
-    def _cut_again(self, plan):
-        """``(this rank's rows, plan)`` of the batch being stepped on, planned again by the shares now."""
-        again = self.balancer.planner.again(True)
-        if again is None:
-            failure.fail(f"a batch planned with rows for a lost rank ({list(plan.sizes)}) cannot be cut again: "
-                         "going on after a lost device needs an input that can cut a batch again.")
-        plan, data = again
-        return data, plan
+    def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
+        return self._finish(summed, "train", n_timing, adopt=adopt)
 
     def _word(self, short: int = 0, cap: int = 0) -> list[float]:
         """The sum's last word: 1 where ranks coming back wait to be taken in (in a fit they can join, on a batch
         that can be cut again for them), else 0; every rank reads the same sum, so all take them in at the same
         step. Then two slots per rank (:meth:`DeviceMemory.slots`): the rows it could not hold (``short``: it
         ran out of memory), and the largest local batch its memory holds, as measured in this step (``cap``)."""
-        waiting = (self.comm.min_devices is not None and self.comm.join_waiting()
-                   and self.parallel.position.get("rejoinable", False) and self.balancer.planner.can_cut_again)
-        return [1.0 if waiting else 0.0, *self.memory.slots(short, cap)]
-
-    def _welcome(self):
-        """Takes in the ranks coming back, before this step: a group with them, the run's position and the
-        leader's shares for them, the leader's state everywhere (:meth:`StepsCore._initialize` on their
-        side), and this step's global batch planned over every device: ``(new plan, this rank's rows)``."""
-        self._welcome_due = False
-        began = time.perf_counter()
-        run_dir = env.get(env.RUN_DIR)
-        found = membership.read(run_dir)
-        newcomers = found.newcomers(self.comm.members)
-        leader = self.comm.rank == self.comm.leader
-        if leader:
-            membership.open_welcome(run_dir, found.generation)
-        self.comm.regroup(found)
-        position = self.parallel.position
-        message = self.comm.welcome({
-            **position, "ratios": self.balancer.ratios_with(newcomers),
-            "out": [r for r in range(self.comm.world_size) if r not in found.members]} if leader else None)
-        self.balancer.rejoined(message["ratios"], message["out"])
-        self._welcome_state()
-        plan, data = self.balancer.planner.again(True)
-        if leader:
-            came = ", ".join(f"rank {r} ({self.comm.runtime.devices[r].label})" for r in newcomers)
-            losses = {e["rank"]: e["at"] for e in found.lost}
-            since = "; ".join(f"{time.time() - losses[r]:.1f} s after its loss" for r in newcomers if r in losses)
-            shares = ", ".join(f"{self.comm.runtime.devices[r].label} {plan.sizes[r]}" for r in self.comm.members)
-            log.info(f"{came} rejoined at epoch {position['epoch'] + 1}, step {position['step'] + 1}: rows "
-                     f"{shares} of {plan.total}; {since} ({time.perf_counter() - began:.2f} s to take it in).")
-        return plan, data
+        return [1.0 if self.recovery.waiting() else 0.0, *self.memory.slots(short, cap)]
 
     def _train_on(self, data, x, y, sample_weight, plan):
         membership.at("forward", self.comm.rank)
@@ -393,9 +262,7 @@ class TorchSteps(StepsCore):
         """A rank ran out of memory in this step (no rank applied it): every state the forward passes changed
         put back, the caps of the ranks that ran out lowered to what fits, and the same global batch cut again
         by them: ``(this rank's new rows, new plan)``."""
-        with torch.no_grad():
-            for v, value in zip(self.model.non_trainable_variables, kept or ()):
-                v.value.copy_(value)
+        self.restore_forward(kept)
         self.metrics.restore()
         return self.memory.cut_again(short, plan)
 
@@ -444,14 +311,12 @@ class TorchSteps(StepsCore):
 
     def _finish(self, summed: list[float], phase: str, n_timing: int | None = None, adopt: dict | None = None):
         """The global logs; a training step's timing slots (and the last word) read (``adopt``: another
-        rank's shares, for a step this rank finishes with that rank's sum: :meth:`_catch_up`)."""
+        rank's shares, for a step this rank finishes with that rank's sum, :mod:`multigpu.backend.recovery`)."""
         word = 1 + 2 * self.comm.world_size
         n_timing = self.timing.size + word if n_timing is None else n_timing
-        if phase == "train" and self.comm.min_devices is not None:
-            self._last_train = (list(summed), n_timing)
         logs, timing = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
-            self._welcome_due = timing[-word] > 0
+            self.recovery.read(summed, n_timing, waiting=timing[-word] > 0)
             timing = timing[:-word]
             rec = StepRecord.from_vector(timing, self.comm.world_size, complete=True, members=self.comm.members)
             if adopt is None:
@@ -501,11 +366,11 @@ class TorchSteps(StepsCore):
     def test_step(self, data):
         self._initialize()
         while True:
-            kept = self._keep()
+            kept = self.recovery.keep()
             try:
                 return self._test_on(data)
             except membership.PeerLostError as lost:
-                data, _, _ = self._after_loss(lost, kept, for_step=False)
+                data, _, _ = self.recovery.after_loss(lost, kept, for_step=False)
 
     def _test_on(self, data):
         membership.at("validation", self.comm.rank)
