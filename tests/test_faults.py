@@ -148,15 +148,18 @@ def test_losing_the_reader_of_a_generator_ends_the_run_saying_why(runner):
     assert runner.leftovers() == []
 
 
-def test_a_lost_rank_started_again_rejoins_and_the_result_stays_exact(runner, one_device):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("tensorflow", marks=pytest.mark.outside)])
+def test_a_lost_rank_started_again_rejoins_and_the_result_stays_exact(runner, request, backend):
     """Rank 0 (the writer) killed in epoch 1 under ``--max-restarts 1``: rank 1 writes from then on, rank 0's new
     process rejoins at a step of a later epoch, and the run ends on all three devices, equal to one device."""
+    want = request.getfixturevalue("one_device" if backend == "torch" else "one_device_tf")
     before = _shm()
     out = runner.tmp_path / "run.npz"
     res = runner.cli("run", *THREE, "--max-restarts", "1", "--min-devices", "2", str(SCRIPTS / "faults.py"),
-                     str(out), "--step-sleep", "1.0", timeout=200, extra_env={"MULTIGPU_FAULT": "0:forward:2"})
+                     str(out), "--step-sleep", "1.0", timeout=200,
+                     extra_env={"MULTIGPU_FAULT": "0:forward:2", "KERAS_BACKEND": backend})
     assert res.returncode == 0, res.stdout[-3000:]
-    assert _compare(out, one_device) == [0]
+    assert _compare(out, want) == [0]
     assert json.loads(str(np.load(out)["joined"]))[0]["rank"] == 0
     assert "starting rank 0 (CPU:0) again; it rejoins at a step of fit (0 restart(s) left)." in res.stdout
     assert "rank 0 (CPU:0) rejoined at epoch " in res.stdout
