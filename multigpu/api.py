@@ -7,10 +7,10 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from multigpu import backend, env
+from multigpu import arguments, backend, env
 from multigpu.devices import Device, usable_cores
 from multigpu.log import logger as log
-from multigpu.planning.shares import RatioSpec, parse_ratios, validate_ratios
+from multigpu.planning.shares import parse_ratios, validate_ratios
 from multigpu.runtime import runtime as _runtime
 
 if TYPE_CHECKING:  # Keras is imported when a model is parallelized, not when multigpu is
@@ -21,76 +21,7 @@ if TYPE_CHECKING:  # Keras is imported when a model is parallelized, not when mu
 __all__ = ["list_devices", "multi_gpu_model", "parallelize", "rank", "state", "unparallelize", "world_size"]
 
 DeviceSpec = str | int | Device
-TRANSPORTS = ("auto", "shm", "gloo")
 _COMMS: dict = {}
-
-
-def _check_model(model) -> None:
-    import keras
-
-    if not isinstance(model, keras.Model):
-        raise TypeError("multigpu.parallelize() takes a Keras 3 model (keras.Model, Sequential, functional or "
-                        f"subclassed). Received: {type(model).__name__}")
-    from multigpu.keras.parallel import is_parallel
-
-    if is_parallel(model):
-        raise ValueError("multigpu.parallelize() was already called on this model. Call it once per model; the "
-                         "returned model is the same object.")
-
-
-def _check_flag(name: str, value, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or (allow_none and value is None)):
-        allowed = "True, False or None" if allow_none else "True or False"
-        raise TypeError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
-
-
-def _check_sharding(shard_optimizer, min_devices, facts) -> None:
-    _check_flag("shard_optimizer", shard_optimizer)
-    if shard_optimizer and not facts.shard_optimizer:
-        raise ValueError(f"`shard_optimizer=True` runs on the torch backend; on the {facts.name} backend every "
-                         "device holds the whole optimizer state. Received: shard_optimizer=True with "
-                         f"KERAS_BACKEND={facts.name}")
-    if shard_optimizer and min_devices is not None:
-        raise ValueError("`shard_optimizer=True` cannot go with `min_devices`: the optimizer state of a lost "
-                         "device's part of the weights would be lost with it. Received: shard_optimizer=True, "
-                         f"min_devices={min_devices}")
-
-
-def _check_caps(max_batch, n: int):
-    if max_batch is None:
-        return None
-    caps = list(max_batch)
-    if len(caps) != n or not all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)
-                                 for c in caps):
-        raise ValueError(f"`max_batch` takes one positive integer (or None) per device ({n} devices). "
-                         f"Received: max_batch={max_batch!r}")
-    return caps
-
-
-def _devices_differ(devices, facts) -> bool:
-    """Whether the devices may differ in speed: kinds or speed factors differ, or GPUs of other models."""
-    if len({(d.kind, d.speed) for d in devices}) > 1:
-        return True
-    if devices and devices[0].is_cuda:
-        try:
-            return len({facts.gpu_info(d.index)["name"] for d in devices}) > 1
-        except Exception:  # a GPU the framework cannot describe: take them as alike
-            return False
-    return False
-
-
-def _from_profile(spec: RatioSpec, n: int) -> tuple[RatioSpec, bool]:
-    """A profile path read into fixed ratios; an unusable one falls back to measuring."""
-    from multigpu._warn import warn_user
-    from multigpu.balancing.profiles import ProfileError, read_profile
-
-    try:
-        values = read_profile(spec.path)["ratios"]
-        return RatioSpec("fixed", tuple(validate_ratios(values, n))), False
-    except (ProfileError, ValueError) as exc:
-        if _runtime.rank() == 0:
-            warn_user(f"multigpu: cannot use the profile ({exc}); calibrating instead.")
-        return RatioSpec("auto"), True
 
 
 def parallelize(
@@ -207,46 +138,47 @@ def parallelize(
     from multigpu._keras import compat as _compat
 
     _compat.check()
-    _check_model(model)
-    _check_flag("sync_batchnorm", sync_batchnorm)
-    _check_flag("rebalance", rebalance, allow_none=True)
-    _check_flag("recalibrate", recalibrate)
-    _check_flag("report", report)
-    _check_sharding(shard_optimizer, min_devices, facts)
+    arguments.check_model(model)
+    arguments.check_flag("sync_batchnorm", sync_batchnorm)
+    arguments.check_flag("rebalance", rebalance, allow_none=True)
+    arguments.check_flag("recalibrate", recalibrate)
+    arguments.check_flag("report", report)
+    arguments.check_sharding(shard_optimizer, min_devices, facts)
     if compression is not None and compression not in facts.compression:
         allowed = ", ".join(["None", *map(repr, facts.compression)])
         raise ValueError(f"`compression` must be one of {allowed} on the {facts.name} backend. "
                          f"Received: compression={compression!r}")
     say = _log_on_rank0(_runtime.rank())
     transport = env.fallback("transport", transport, env.TRANSPORT, say=say) or "auto"
-    _check_flag("overlap", overlap, allow_none=True)
-    _check_flag("replay", replay, allow_none=True)
-    overlap = env.fallback("overlap", overlap, env.OVERLAP, _switch(env.OVERLAP), say=say)
-    replay = env.fallback("replay", replay, env.REPLAY, _switch(env.REPLAY), say=say)
-    bucket_mb = _bucket_mb(env.fallback("bucket_mb", bucket_mb, env.BUCKET_MB, _megabytes, say=say))
-    if transport not in TRANSPORTS:
-        raise ValueError(f"`transport` must be one of {', '.join(map(repr, TRANSPORTS))}. "
+    arguments.check_flag("overlap", overlap, allow_none=True)
+    arguments.check_flag("replay", replay, allow_none=True)
+    overlap = env.fallback("overlap", overlap, env.OVERLAP, arguments.switch(env.OVERLAP), say=say)
+    replay = env.fallback("replay", replay, env.REPLAY, arguments.switch(env.REPLAY), say=say)
+    bucket_mb = arguments.bucket_mb(env.fallback("bucket_mb", bucket_mb, env.BUCKET_MB, arguments.megabytes, say=say))
+    if transport not in arguments.TRANSPORTS:
+        raise ValueError(f"`transport` must be one of {', '.join(map(repr, arguments.TRANSPORTS))}. "
                          f"Received: transport={transport!r}")
-    given = env.fallback("ratios", ratios, env.RATIOS, _ratios_text, say=say,
-                         same=lambda mine, theirs: _as_given(mine) == theirs)
+    given = env.fallback("ratios", ratios, env.RATIOS, arguments.ratios_text, say=say,
+                         same=lambda mine, theirs: arguments.as_given(mine) == theirs)
     spec = parse_ratios(given)
     planned = _runtime.planned_devices(devices)  # checks that need the device count, before any process starts
     if planned is not None:
         if spec.kind == "fixed":
             validate_ratios(given if not isinstance(given, str) else spec.values, len(planned))
-        _check_caps(max_batch, len(planned))
+        arguments.check_caps(max_batch, len(planned))
     runtime = _runtime.start(devices, timeout, say=say)
     n = runtime.world_size
     if spec.kind == "fixed":
         validate_ratios(spec.values or (), n)
-    caps = _check_caps(max_batch, n)
+    caps = arguments.check_caps(max_batch, n)
     auto = spec.kind == "auto"
     if spec.kind == "profile":
-        spec, auto = _from_profile(spec, n)
+        spec, auto = arguments.ratios_from_profile(spec, n)
     elif spec.kind == "default":
-        auto = _devices_differ(runtime.devices, facts)
-    min_devices = _min_devices(env.fallback("min_devices", min_devices, env.MIN_DEVICES, int, say=say), n)
-    _check_sharding(shard_optimizer, min_devices if min_devices is not None and min_devices < n else None, facts)
+        auto = arguments.devices_differ(runtime.devices, facts)
+    min_devices = arguments.min_devices(env.fallback("min_devices", min_devices, env.MIN_DEVICES, int, say=say), n)
+    arguments.check_sharding(shard_optimizer, min_devices if min_devices is not None and min_devices < n else None,
+                             facts)
     from multigpu.keras import parallel
 
     if n == 1:
@@ -270,59 +202,6 @@ def parallelize(
                                             shard_optimizer=shard_optimizer),
                            backend.get().Steps).install()
     return model
-
-
-def _switch(variable: str):
-    """Reads a ``0``/``1`` variable as a bool."""
-    def parse(text: str) -> bool:
-        if text not in ("0", "1"):
-            raise ValueError(f"{variable} must be 0 or 1. Received: {variable}={text!r}")
-        return text == "1"
-    return parse
-
-
-def _megabytes(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{env.BUCKET_MB} is a bucket size in MiB, a number above 0. Received: {text!r}") from None
-
-
-def _bucket_mb(value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`bucket_mb` is a bucket size in MiB, a number above 0. Received: bucket_mb={value!r}")
-    return float(value)
-
-
-def _as_given(ratios):
-    """Ratios as the caller gave them, numbers as floats (to compare with a variable's); None stays None."""
-    if ratios is None or isinstance(ratios, os.PathLike):
-        return ratios
-    if isinstance(ratios, str):
-        return _ratios_text(ratios)
-    try:
-        return [float(r) for r in ratios]
-    except (TypeError, ValueError):
-        return ratios  # parse_ratios says what is wrong with them
-
-
-def _ratios_text(text: str):
-    """A ``MULTIGPU_RATIOS`` value as :func:`_as_given` gives an argument: ``auto`` or a path stays text."""
-    try:
-        return [float(r) for r in text.split(",")]
-    except ValueError:
-        return text
-
-
-def _min_devices(value, n: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= n:
-        raise ValueError(f"`min_devices` is the fewest devices the run goes on with: an integer from 1 to the "
-                         f"{n} devices. Received: min_devices={value!r}")
-    return value
 
 
 def _allow_shrink(runtime, comm, min_devices: int, facts, say) -> None:

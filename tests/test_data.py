@@ -13,8 +13,8 @@ import torch
 from multigpu.data.exchange import directory
 from multigpu.data.forms import input_kind, num_rows, validation_split
 from multigpu.data.host import Host
-from multigpu.data.readers import StreamSource
 from multigpu.data.sources import source_for
+from multigpu.data.streams import StreamSource
 from multigpu.keras.data import ShardedData
 from multigpu.planning import StepPlanner, split
 

@@ -99,7 +99,10 @@ def one_device_tf(tmp_path_factory):
     # silent (SIGSTOP) before its forward pass, then rank 2 inside the sum; rank 0 in validation, over gloo
     pytest.param("1:forward/stop:4,2:sum:14", "shm", [1, 2], "1", marks=pytest.mark.outside),
     pytest.param("2:update:5,0:validation:2", "gloo", [2, 0], "1", marks=pytest.mark.outside),
-], ids=["killed-forward", "silent-sum", "update-validation-rank0-gloo"])
+    # Over gloo, step 5's sum reaches rank 0 and not rank 1 (its 5th sum: none before training here): rank 1
+    # takes rank 0's state and that step's logs; rank 0 later, writing the checkpoint.
+    pytest.param("1:sum/drop:5,2:update:5,0:save:2", "gloo", [2, 0], "1", marks=pytest.mark.outside),
+], ids=["killed-forward", "silent-sum", "update-validation-rank0-gloo", "sum-reached-one-save-rank0-gloo"])
 def test_on_tensorflow_the_survivors_finish_every_epoch_exactly(runner, one_device_tf, faults, transport, lost,
                                                                 min_devices):
     """TensorFlow sums on the engine torch sums on (shared memory, gloo), and goes on without a lost device
@@ -113,17 +116,22 @@ def test_on_tensorflow_the_survivors_finish_every_epoch_exactly(runner, one_devi
     assert res.returncode == 0, res.stdout[-3000:]
     assert _compare(out, one_device_tf) == lost
     assert res.stdout.count("again on 2 devices") + res.stdout.count("again on 1 device") >= 1
+    if "sum/drop" in faults:
+        assert ("the sum of step 5 reached rank(s) [0] and not [1] before rank 2 was lost: rank(s) [1] took rank 0's "
+                "weights, optimizer state and logs of that step") in res.stdout
     assert runner.leftovers() == []
     assert _shm() <= before
     assert sorted(p.name for p in runner.tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint.keras"]
 
 
-@pytest.mark.parametrize(("source", "faults", "lost"), [
-    ("pydataset", "0:forward:4", [0]),  # rank 0 read a turn of the batches: rank 1 reads it on
-    ("generator", "1:input:5", [1]),  # not the generator's reader: rank 0 reads on, the batch is cut again
-    ("dataloader", "1:forward:4", [1]),  # batches drawn ahead with rows for rank 1 are cut again and loaded here
+@pytest.mark.parametrize(("source", "faults", "lost", "backend"), [
+    ("pydataset", "0:forward:4", [0], "torch"),  # rank 0 read a turn of the batches: rank 1 reads it on
+    ("generator", "1:input:5", [1], "torch"),  # not the generator's reader: rank 0 reads on, the batch is cut again
+    ("dataloader", "1:forward:4", [1], "torch"),  # batches drawn ahead with rows for rank 1: cut again, loaded here
+    pytest.param("generator", "1:input:5", [1], "tensorflow", marks=pytest.mark.outside),
+    pytest.param("pydataset", "0:forward:4", [0], "tensorflow", marks=pytest.mark.outside),
 ])
-def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, one_device, source, faults, lost):
+def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, request, source, faults, lost, backend):
     """The same batches from a PyDataset with two workers (each rank reads a turn of them), a generator (rank 0
     reads it) or a DataLoader over a map-style dataset with two workers (each rank loads its rows, a few batches
     ahead): the ranks left stop waiting for the lost one, cut the batch again (from its file, or loading its
@@ -131,9 +139,10 @@ def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, one_devi
     before = _shm()
     out = runner.tmp_path / "run.npz"
     res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *TWO, "--min-devices", "1",
-                      "--input", source], timeout=200, extra_env={"MULTIGPU_FAULT": faults})
+                      "--input", source], timeout=200, extra_env={"MULTIGPU_FAULT": faults, "KERAS_BACKEND": backend})
     assert res.returncode == 0, res.stdout[-3000:]
-    assert _compare(out, one_device) == lost
+    want = request.getfixturevalue("one_device" if backend == "torch" else "one_device_tf")
+    assert _compare(out, want) == lost
     assert runner.leftovers() == []
     assert _shm() <= before  # the batch files of the input included
 
@@ -169,10 +178,11 @@ def test_a_lost_rank_started_again_rejoins_and_the_result_stays_exact(runner, re
     assert _shm() <= before
 
 
-def test_below_min_devices_the_run_ends_naming_what_is_left(runner):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("tensorflow", marks=pytest.mark.outside)])
+def test_below_min_devices_the_run_ends_naming_what_is_left(runner, backend):
     res = runner.cli("run", *THREE, "--min-devices", "2", str(SCRIPTS / "faults.py"),
                      str(runner.tmp_path / "run.npz"), timeout=200,
-                     extra_env={"MULTIGPU_FAULT": "1:forward:3,2:forward:6"})
+                     extra_env={"MULTIGPU_FAULT": "1:forward:3,2:forward:6", "KERAS_BACKEND": backend})
     assert res.returncode != 0
     assert "rank 1 (CPU:1) was killed by signal 9 (SIGKILL); going on with 2 device(s)" in res.stdout
     assert ("rank 2 (CPU:2) was killed by signal 9 (SIGKILL); 1 device(s) left (CPU:0), fewer than "
@@ -183,7 +193,7 @@ def test_below_min_devices_the_run_ends_naming_what_is_left(runner):
 
 # ------------------------------------------------------------------ in-process checks
 def test_min_devices_is_checked_and_named():
-    from multigpu.api import _min_devices
+    from multigpu.arguments import min_devices as _min_devices
 
     assert _min_devices(None, 3) is None and _min_devices(2, 3) == 2
     for bad in (0, 4, 1.5, True, "2"):

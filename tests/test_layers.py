@@ -28,6 +28,7 @@ LAYERS = [
     {"balancing", "_keras", "engine"},
     {"data", "backend"},
     {"runtime", "keras"},
+    {"arguments"},
     {"api"},
     {"__init__", "bench", "cli", "__main__"},
 ]
@@ -250,3 +251,20 @@ def test_the_layout_in_contributing_names_every_module_where_it_is():
                 if not (ROOT / entry / name).exists() and name != "__init__.py":
                     gone.append(f"{entry}{name}")
     assert missing == [] and gone == [], f"not in CONTRIBUTING.md's layout: {missing}; named there, absent: {gone}"
+
+
+def test_no_test_of_a_backend_name_outside_backend():
+    """What differs between backends is a fact of the backend (``Facts``), not a test of its name: outside
+    ``backend/`` no code compares a name with ``"torch"``, ``"jax"`` or ``"tensorflow"`` (the benchmark
+    harness, which times each framework's own passes, excepted: :data:`FRAMEWORK_USERS`)."""
+    name = r"""["'](?:torch|jax|tensorflow)["']"""
+    pattern = re.compile(rf"(?:==|!=)\s*{name}|{name}\s*(?:==|!=)|\bin\s*[(\[{{]\s*{name}")
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith("backend/") or relative in FRAMEWORK_USERS:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                wrong.append(f"{relative}:{number}: {line.strip()}")
+    assert wrong == [], wrong

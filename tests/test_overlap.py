@@ -131,7 +131,8 @@ def test_a_variable_without_gradient_stays_none(group):
 
 
 def test_a_bad_bucket_size_is_refused_and_a_good_one_reaches_the_sums():
-    from multigpu.api import _bucket_mb, _megabytes
+    from multigpu.arguments import bucket_mb as _bucket_mb
+    from multigpu.arguments import megabytes as _megabytes
     from multigpu.backend.torch.step import _bucket_bytes
 
     with pytest.raises(ValueError, match=r"MULTIGPU_BUCKET_MB is a bucket size in MiB.*Received: 'lots'"):

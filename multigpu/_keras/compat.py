@@ -14,27 +14,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-__all__ = [
-    "TESTED",
-    "DataAdapter",
-    "PyDatasetAdapter",
-    "batchnorm_axes",
-    "batchnorm_moments",
-    "call_has_training_arg",
-    "check",
-    "class_weight_to_sample_weights",
-    "compile_metrics",
-    "compute_loss",
-    "flatten_layers",
-    "keras_version",
-    "loss_tracker",
-    "named_results",
-    "optimizer_variables",
-    "replace_batchnorm_moments",
-    "seed_variables",
-    "silence_backup_saving",
-    "symbolic_build",
-]
+__all__ = ["TESTED", "DataAdapter", "PyDatasetAdapter", "batchnorm_axes", "batchnorm_moments",
+           "call_has_training_arg", "check", "class_weight_to_sample_weights", "compile_metrics", "compute_loss",
+           "flatten_layers", "keras_version", "loss_tracker", "named_results", "optimizer_variables",
+           "replace_batchnorm_moments", "seed_variables", "silence_backup_saving", "symbolic_build"]
 
 TESTED = ((3, 10), (3, 17))  # [first, last) minor versions the suite ran with (make compat); pyproject.toml agrees
 
@@ -43,6 +26,10 @@ TESTED = ((3, 10), (3, 17))  # [first, last) minor versions the suite ran with (
 # ``tests/test_layers.py`` checks that every ``._name`` in this file and every name the package's ledgers
 # set on a Keras object is declared here.
 INTERNALS: list[tuple[str, str, tuple[str, ...] | None]] = []
+# The public names the steps rely on, checked alike (the JAX steps' own where Keras's JAX trainer has them).
+_PUBLIC = [*(("Model", a, None) for a in ("compute_metrics", "get_metrics_result", "train_step")),
+           ("Optimizer", "apply", None), ("Model", "compute_loss_and_updates", ("jax",)),
+           ("compiled Model", "metrics_variables", ("jax",))]
 _CHECKED = False
 
 
@@ -88,11 +75,7 @@ def check() -> None:
     if _IMPORT_ERROR is not None:
         missing.append(f"keras.src.trainers.data_adapters' DataAdapter and PyDatasetAdapter ({_IMPORT_ERROR})")
     backend = keras.backend.backend()
-    public = [("Model", a) for a in ("compute_metrics", "get_metrics_result", "train_step")]
-    public += [("Optimizer", "apply")]
-    if backend == "jax":
-        public += [("Model", "compute_loss_and_updates"), ("compiled Model", "metrics_variables")]
-    wanted = public + [(owner, a) for owner, a, backends in INTERNALS if backends is None or backend in backends]
+    wanted = [(owner, a) for owner, a, backends in [*_PUBLIC, *INTERNALS] if backends is None or backend in backends]
     probes: dict[str, list] = {}
     for owner, attribute in dict.fromkeys(wanted):
         if owner not in probes:

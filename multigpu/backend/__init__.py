@@ -50,9 +50,12 @@ def check() -> str:
     return current
 
 
-def lazy(**where: str):
+def lazy(package: str, **where: str):
     """A backend package's ``__getattr__``: each name imported from its module at first use, so that importing
-    the package imports no framework (``Steps="multigpu.backend.jax.step:JaxSteps"``)."""
+    the package imports no framework: ``bind``, ``join`` and ``leave`` from its ``group`` module, the others
+    where ``where`` says (``Steps="multigpu.backend.jax.step:JaxSteps"``)."""
+    where = {**{n: f"{package}.group:{n}" for n in ("bind", "join", "leave")}, **where}
+
     def attribute(name: str):
         if name not in where:
             raise AttributeError(name)

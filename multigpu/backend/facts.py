@@ -42,6 +42,9 @@ class Facts:
             broken group and form a new one of the survivors.
         sums_on_host: whether the step's sums run in host memory whatever the devices (a gloo group even
             on GPUs alone), rather than on the devices (NCCL where every device is a GPU).
+        join_first: whether a rank joins the run before the program runs (the framework takes its devices,
+            or allows its distributed start, only before its first computation).
+        takes_torch_tensors: whether ``keras.ops.convert_to_tensor`` takes a torch tensor (a DataLoader's).
     """
 
     name: str
@@ -54,3 +57,5 @@ class Facts:
     shard_optimizer: bool = False
     elastic: bool = False
     sums_on_host: bool = False
+    join_first: bool = False
+    takes_torch_tensors: bool = True

@@ -20,16 +20,17 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from multigpu.balancing.advice import Advice, describe_shares
+from multigpu.balancing.options import BalanceOptions
 from multigpu.balancing.profiles import ProfileError, default_profile_path, profile_key, read_profile, write_profile
 from multigpu.balancing.search import ShareSearch, Window
+from multigpu.balancing.tally import EpochTally, StepsWindow
 from multigpu.balancing.timing import StepRecord, format_report
 from multigpu.balancing.windows import Event
 from multigpu.planning.plan import StepPlanner
-from multigpu.planning.shares import RatioSpec, capped_split
+from multigpu.planning.shares import capped_split
 
 __all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
 
@@ -39,61 +40,6 @@ WINDOW_STEPS = 3
 # window at worse shares and new local batch sizes, and on a noisy machine a search that goes on keeps
 # probing (issue 54: windows at one share spread as much as the moves they judge).
 SETTLE_STEPS = 40
-
-
-@dataclass
-class BalanceOptions:
-    """What the user asked of the balancer (see ``parallelize``).
-
-    Attributes:
-        spec: the ratios as given.
-        auto: measure and move shares (``ratios="auto"``, or devices that differ).
-        rebalance: move shares while training.
-        profile: the profile file, or None for the default.
-        recalibrate: measure even when the profile has an entry.
-        caps: per-device largest local batch.
-        report: print the per-device breakdown at each epoch end.
-        grid: with automatic shares, local batch sizes are multiples of ``batch // grid`` rows, and the
-            search's smallest move is that many rows (0: any size, moves down
-            to one sample).  Where every new local batch size costs a
-            compilation (JAX), a few sizes are compiled once each, and small
-            moves would cost more than they can find.
-        scan: open the search with a scan of far shares (see
-            :class:`~multigpu.balancing.search.ShareSearch`); off where each
-            new local batch size compiles (JAX).
-        compression: how gradients travel (``None``: exact float32), for the advice on slow links.
-    """
-
-    spec: RatioSpec
-    auto: bool
-    rebalance: bool
-    profile: str | None = None
-    recalibrate: bool = False
-    caps: list[int | None] | None = None
-    report: bool = False
-    grid: int = 0
-    scan: bool = True
-    compression: str | None = None
-
-
-@dataclass
-class _Window:
-    steps: int = 0
-    seconds: float = 0.0
-    samples: int = 0
-    compute: list[float] = field(default_factory=list)
-    local: list[int] = field(default_factory=list)
-
-    def add(self, rec: StepRecord) -> None:
-        """Counts one step: its wall time (the slowest rank's), samples, and each rank's compute and rows."""
-        if not self.compute:
-            self.compute, self.local = [0.0] * len(rec.samples), [0] * len(rec.samples)
-        self.steps += 1
-        self.seconds += max(rec.wall)
-        self.samples += sum(rec.samples)
-        for r, (c, n) in enumerate(zip(rec.compute, rec.samples)):
-            self.compute[r] += c
-            self.local[r] += n
 
 
 class LoadBalancer:
@@ -129,9 +75,9 @@ class LoadBalancer:
         self.events: list[Event] = []
         self.last_report: dict | None = None
         self.planner = StepPlanner(self.shares, rank)
-        self._window = _Window()
+        self._window = StepsWindow()
         self._warm: set[tuple[int, ...]] = set()  # local batch sizes every rank has run a step at
-        self._epoch = self._empty_epoch()
+        self.tally = EpochTally(self.world_size)  # this epoch's steps, as every rank recorded them
         self._changed = False
         self.advice = Advice(self.devices, log, options.compression)
         self.lost: list[int] = []  # ranks lost during the run: their share is 0 from then on
@@ -156,7 +102,7 @@ class LoadBalancer:
         self.lost = list(out)
         self.calibrated = True
         self.search = None
-        self._window = _Window()
+        self._window = StepsWindow()
         self._changed = False
         self._remeasure = self.options.auto and self.options.rebalance
 
@@ -174,7 +120,7 @@ class LoadBalancer:
                 self._before_loss[r] = self.ratios[r]
                 self.ratios[r] = 0.0
         self.search = None
-        self._window = _Window()
+        self._window = StepsWindow()
         self._changed = False
         self._remeasure = self.options.auto and self.options.rebalance
 
@@ -195,7 +141,7 @@ class LoadBalancer:
         self.ratios = [v / sum(speeds) for v in speeds]
         self.speeds = speeds
         self._remeasure = False
-        self._window = _Window()
+        self._window = StepsWindow()
         detail = ", ".join(f"{self.devices[r].label} {speeds[r]:.0f} samples/s" for r in left)
         shares = describe_shares([self.ratios[r] for r in left])
         self._log(f"measured the devices in the run: {detail} -> shares {shares}")
@@ -227,7 +173,7 @@ class LoadBalancer:
         self.options.caps = None if all(c is None for c in caps) else caps
         if self.search is not None:
             self.search.caps = self.options.caps
-            self._window = _Window()
+            self._window = StepsWindow()
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
@@ -343,14 +289,14 @@ class LoadBalancer:
                                       scan=ShareSearch.scan if self.options.scan else ())
             if settled:  # a new batch size in a later fit: the shares found stay, watched as settled ones
                 self.search.settle_as_found()
-            self._window = _Window()
+            self._window = StepsWindow()
 
     # ------------------------------------------------------------- records
     def record(self, rec: StepRecord | None) -> None:
         """Reads the shared record of a finished step (the same on every rank)."""
         if rec is None:
             return
-        self._account(rec)
+        self.tally.add(rec)
         if self._remeasure:
             self._measure_survivors(rec)
             return
@@ -361,26 +307,13 @@ class LoadBalancer:
         epoch's report, and the shares of a rank that read it in time (:meth:`record` there may have moved
         them before the loss dropped the lost rank's), so that every rank plans alike from here."""
         if rec is not None:
-            self._account(rec)
+            self.tally.add(rec)
         self.ratios = [float(r) for r in ratios]
         self._before_loss = dict(before_loss)
 
     def catch_up_state(self) -> dict:
         """What :meth:`caught_up` takes from a rank that read the step's record in time."""
         return {"ratios": list(self.ratios), "before_loss": dict(self._before_loss)}
-
-    def _account(self, rec: StepRecord) -> None:
-        e = self._epoch
-        for r in range(self.world_size):
-            e["wall"][r] += rec.wall[r]
-            e["step"][r] += rec.step[r]
-            e["compute"][r] += rec.compute[r]
-            e["samples"][r] += rec.samples[r]
-            e["input"][r] += rec.input[r] if rec.input else 0.0
-        # The rank that reached the sum last waited for the sum alone (the link); the others' extra wait is
-        # the time they waited for a slower device.
-        e["sum"] += min(max(0.0, s - c) for s, c in zip(rec.step, rec.compute))
-        e["steps"] += 1
 
     def _search_on(self, rec: StepRecord) -> None:
         if self.search is None or self.batch_size is None:
@@ -393,10 +326,10 @@ class LoadBalancer:
                 self.advice.event(event)
             self.ratios = list(self.search.ratios)
             self._changed = self._changed or self.ratios != before
-            self._window = _Window()
+            self._window = StepsWindow()
             return
         if list(rec.samples) != self.search.shares():
-            self._window = _Window()  # a ragged step, or one run at other shares
+            self._window = StepsWindow()  # a ragged step, or one run at other shares
             return
         if tuple(rec.samples) not in self._warm:
             # The first step at new local batch sizes pays their first use (kernels' plans, buffers, a recorded
@@ -408,7 +341,7 @@ class LoadBalancer:
         factor = self.search.window_factor()
         if w.steps < WINDOW_STEPS * factor or w.seconds < WINDOW_SECONDS * factor:
             return
-        self._window = _Window()
+        self._window = StepsWindow()
         window = Window(tuple(self.search.ratios), w.samples, w.seconds, tuple(w.compute), tuple(w.local))
         before = list(self.ratios)
         events = self.search.observe(window)
@@ -425,34 +358,18 @@ class LoadBalancer:
 
     def end_epoch(self, epoch: int) -> dict:
         """The epoch's per-device breakdown (from the shared records); saves the profile if shares moved."""
-        e = self._epoch
-        rows = []
+        e = self.tally.totals
         total = sum(self.ratios)
-        for r, d in enumerate(self.devices):
-            wall, step, compute = e["wall"][r], e["step"][r], e["compute"][r]
-            samples = e["samples"][r]
-            rows.append({
-                "device": d.label, "share": self.ratios[r] / total, "data": max(0.0, wall - step),
-                "input": min(e["input"][r], max(0.0, wall - step)),
-                "compute": compute, "wait": max(0.0, step - compute), "samples": samples, "steps": e["steps"],
-                "sum": min(e["sum"], max(0.0, step - compute)),
-                "samples_per_second": samples / wall if wall else 0.0,
-                "compute_samples_per_second": samples / compute if compute else 0.0,
-                "largest_batch": self.cap_of(r),
-            })
-        self.last_report = {"epoch": epoch, "devices": rows}
-        self._epoch = self._empty_epoch()
+        self.last_report = {"epoch": epoch, "devices": self.tally.rows(
+            [d.label for d in self.devices], [r / total for r in self.ratios],
+            [self.cap_of(r) for r in range(self.world_size)])}
+        self.tally.reset()
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
         self.advice.epoch(epoch, e)
         if self._changed and self.options.auto and not self.lost:
             self._save_profile()
         return self.last_report
-
-    def _empty_epoch(self) -> dict:
-        n = self.world_size
-        return {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n,
-                "input": [0.0] * n, "sum": 0.0, "steps": 0}
 
     def _save_profile(self) -> None:
         self._changed = False

@@ -11,8 +11,8 @@ ones):
   with the dataset's own ``workers``, ``use_multiprocessing`` and
   ``max_queue_size`` (Keras's own enqueuer), so the reading is spread over
   the ranks' cores and each batch is read once per machine;
-* :class:`StreamSource`: a generator, or a DataLoader that cannot be cut by
-  index, is iterated by local rank 0 alone, in a thread.
+* :class:`~multigpu.data.streams.StreamSource`: a generator, or a DataLoader
+  that cannot be cut by index, is iterated by local rank 0 alone, in a thread.
 
 A failure while reading reaches every rank of the machine at that batch,
 naming the rank that read it and the original error.
@@ -28,31 +28,29 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import keras
 import numpy as np
 
 from multigpu import failure
 from multigpu._keras import compat as _compat
-from multigpu._warn import warn_user
-from multigpu.data.exchange import InputError, Pass, StoppedError
+from multigpu.data.exchange import Pass, StoppedError
 from multigpu.data.forms import batch_rows, standardize
 from multigpu.data.host import Host
 from multigpu.planning.plan import StepPlan
 
-__all__ = ["PyDatasetSource", "StreamSource", "cut_rows", "lose"]
+__all__ = ["OPEN", "PyDatasetSource", "Reader", "cut_again", "cut_rows", "fingerprint", "lose", "take"]
 
-_OPEN: weakref.WeakSet = weakref.WeakSet()  # the sources with a pass open in this process
+OPEN: weakref.WeakSet = weakref.WeakSet()  # the sources with a pass open in this process
 
 
 def lose(ranks) -> None:
     """Ranks were lost: every open source of this process stops waiting for those of its machine and takes over
     their part of the reading (see the module docstring)."""
-    for source in list(_OPEN):
+    for source in list(OPEN):
         host = source.host
         local = [r - host.leader for r in ranks if 0 <= r - host.leader < host.local_size]
         if local:
@@ -70,7 +68,7 @@ def cut_rows(batch, rows: int, begin: int, end: int):
     return keras.tree.map_structure(cut, batch)
 
 
-class _Reader:
+class Reader:
     """A daemon thread running ``read(publish, stop)``; an error is published at the batch it was reading."""
 
     def __init__(self, name: str, host: Host, pass_: Pass, read: Callable) -> None:
@@ -104,7 +102,7 @@ class _Reader:
         self._thread.join(timeout)
 
 
-def _take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan], marks: list | None = None):
+def take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan], marks: list | None = None):
     """Batch ``index`` of the pass, this rank's rows copied out, or None at the input's end.
 
     ``marks``: a list that receives the global batch's :func:`fingerprint` (several machines).
@@ -116,12 +114,12 @@ def _take(pass_: Pass, index: int, plan_of: Callable[[int], StepPlan], marks: li
     rows = batch_rows(batch)
     if marks is not None:
         marks.append(fingerprint(batch, rows))
-    plan = plan_of(rows, again=functools.partial(_again, pass_, index))
+    plan = plan_of(rows, again=functools.partial(cut_again, pass_, index))
     begin, end = plan.rows(plan.rank)
     return cut_rows(batch, rows, begin, end)
 
 
-def _again(pass_: Pass, index: int, plan: StepPlan):
+def cut_again(pass_: Pass, index: int, plan: StepPlan):
     """This rank's rows of batch ``index`` by another ``plan`` (after a loss; the file stays until every rank
     left is past it)."""
     _, batch = pass_.fetch(index)
@@ -191,7 +189,7 @@ class PyDatasetSource:
         self.order: np.ndarray | None = None
         self.passes = 0
         self.depth = max(2 * host.local_size, int(dataset.max_queue_size), 4)
-        self._live: tuple[Pass, list[_Reader]] | None = None  # the open pass and its readers on this rank
+        self._live: tuple[Pass, list[Reader]] | None = None  # the open pass and its readers on this rank
         self._lost: set[int] = set()  # local ranks lost: their turns are read by the lowest rank left
 
     @property
@@ -203,7 +201,7 @@ class PyDatasetSource:
         self.order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle and n else None
 
     def _read(self, stripe: _Stripe) -> Callable:
-        def read(reader: _Reader) -> None:
+        def read(reader: Reader) -> None:
             if stripe.num_batches == 0:
                 return
             adapter = _compat.PyDatasetAdapter(stripe, shuffle=False)
@@ -231,15 +229,15 @@ class PyDatasetSource:
         host, n = self.host, self.dataset.num_batches
         pass_ = host.open_pass(self.stream, self.passes, self.depth, self._lost)
         self.passes += 1
-        readers: list[_Reader] = []
+        readers: list[Reader] = []
         self._live = (pass_, readers)
-        _OPEN.add(self)
+        OPEN.add(self)
         for turn in [host.local_rank, *sorted(self._lost)] if self._reads_for_lost() else [host.local_rank]:
             self._start_turn(turn, turn)
         try:
             i = 0
             while n is None or i < n:
-                batch = _take(pass_, i, plan_of)
+                batch = take(pass_, i, plan_of)
                 if batch is None:
                     return
                 yield batch
@@ -247,7 +245,7 @@ class PyDatasetSource:
                 pass_.consumed(i)
         finally:
             self._live = None
-            _OPEN.discard(self)
+            OPEN.discard(self)
             for reader in readers:
                 reader.close()
             pass_.close()
@@ -261,7 +259,7 @@ class PyDatasetSource:
         """Reads turn ``turn``'s global batches (``turn``, ``turn + L``, ...) from batch ``first`` on."""
         pass_, readers = self._live
         stripe = _Stripe(self.dataset, self.order, first, self.host.local_size)
-        readers.append(_Reader(f"multigpu-read-{self.stream}-{turn}", self.host, pass_, self._read(stripe)))
+        readers.append(Reader(f"multigpu-read-{self.stream}-{turn}", self.host, pass_, self._read(stripe)))
 
     def lose(self, local_ranks) -> None:
         """Lost ranks of this machine: the pass no longer waits for them, and the lowest rank left reads
@@ -285,147 +283,3 @@ class PyDatasetSource:
 
     def close(self) -> None:
         pass
-
-
-class StreamSource:
-    """A generator or an iterable that cannot be cut by index, read by one rank per machine.
-
-    A generator runs once: it is one stream for the whole call, and a batch
-    that was taken but not trained on (Keras takes one to build the model) is
-    given again at the next pass.  A re-iterable input (a DataLoader) is read
-    again at each pass.  With several machines, each reads its own copy, and
-    the ranks check at every batch that all of them still have one, and the
-    same one (by its :func:`fingerprint`).
-
-    Args:
-        source: the generator or iterable.
-        host: this rank's machine.
-        depth: global batches read ahead.
-        slow_start: read at most this many batches of a pass before the ranks have taken as many (then
-            ``depth``), and no batch before there is room for it.  Keras reads two batches of the pass
-            it opens to build the model and leaves it; reading no further keeps state that a pass
-            shares with the next one (a ``tf.data`` shuffle's seed, drawn anew at each repetition)
-            where Keras leaves it.
-    """
-
-    def __init__(self, source: Iterable, host: Host, depth: int = 4, slow_start: int = 0) -> None:
-        self.source, self.host = source, host
-        self.slow_start = slow_start
-        self.one_shot = inspect.isgenerator(source) or iter(source) is source
-        self.stream = host.stream()
-        self.depth = max(depth, 2 * host.local_size)
-        self.passes = 0
-        self._pass: Pass | None = None
-        self._reader: _Reader | None = None
-        self._live: Pass | None = None  # the pass open now
-        self._position = 0  # of a one-shot stream: the next batch not yet trained on
-        self._said_apart = False
-        self._lost: set[int] = set()
-
-    @property
-    def num_batches(self):
-        try:
-            return len(self.source)
-        except TypeError:
-            return None
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def _read(self, reader: _Reader) -> None:
-        i = 0
-        items = iter(self.source)
-        while True:
-            if self.slow_start:
-                reader.pass_.wait_for_room(i, reader.stop, self.slow_start)
-            try:
-                item = next(items)
-            except StopIteration:
-                break
-            if reader.stop.is_set():
-                return
-            reader.publish(i, item)
-            i += 1
-            reader.next = i
-        reader.pass_.publish_end(i)
-
-    def _open(self) -> Pass:
-        pass_ = self.host.open_pass(self.stream, self.passes, self.depth, self._lost)
-        self.passes += 1
-        if self.host.local_rank == 0:
-            self._reader = _Reader(f"multigpu-read-{self.stream}", self.host, pass_, self._read)
-        self._live = pass_
-        _OPEN.add(self)
-        return pass_
-
-    def lose(self, local_ranks) -> None:
-        """Lost ranks of this machine: the pass no longer waits for them.  The reader (local rank 0) cannot be
-        replaced: the stream's state died with it."""
-        if 0 in local_ranks:
-            failure.fail(f"the rank that read this input for its machine (rank {self.host.leader}) was lost: a "
-                         "generator, iterator or tf.data stream cannot be read on from where it was by another "
-                         "rank. Going on after losing it needs arrays, tensors, a keras.utils.PyDataset or a "
-                         "DataLoader over a map-style dataset.")
-        self._lost.update(local_ranks)
-        if self._live is not None:
-            self._live.release(local_ranks)
-
-    def batches(self, plan_of: Callable[[int], StepPlan]) -> Iterator:
-        if self.one_shot:
-            if self._pass is None:
-                self._pass = self._open()
-            pass_, i = self._pass, self._position
-        else:
-            pass_, i = self._open(), 0
-        try:
-            while True:
-                marks = [] if self.host.hosts > 1 else None
-                batch = _take(pass_, i, plan_of, marks)
-                if marks is not None:
-                    self._agree(marks[0] if marks else None, i)
-                if batch is None:
-                    return
-                yield batch
-                i += 1
-                if self.one_shot:
-                    self._position = i
-                pass_.consumed(i)
-        finally:
-            if not self.one_shot:
-                self._close(pass_)
-
-    def _agree(self, mark: int | None, index: int) -> None:
-        """With several machines, every rank must still have a batch, or none may; and every machine's copy
-        should give the same batch (said once, by rank 0, when it does not)."""
-        comm = self.host.comm
-        marks = [0.0] * comm.world_size
-        marks[self.host.rank] = 0.0 if mark is None else float(mark + 1)
-        marks = comm.sum_floats(marks, "checking that every machine's input has the next batch")
-        with_batch = [r for r, v in enumerate(marks) if v]
-        if 0 < len(with_batch) < comm.world_size:
-            without = [r for r, v in enumerate(marks) if not v]
-            raise InputError(f"the input ran out after {index} batches on rank(s) {without} while rank(s) "
-                             f"{with_batch} still had batch {index}: every machine reads its own copy of this "
-                             "input, and every copy must yield the same global batches.")
-        if with_batch and len(set(marks)) > 1 and self.host.rank == 0 and not self._said_apart:
-            self._said_apart = True
-            apart = sorted({r for r in with_batch if marks[r] != marks[0]})
-            warn_user(f"global batch {index} differs between machines (rank(s) {apart} got another batch than "
-                      "rank 0): every machine reads its own copy of this input, and the copies give their batches "
-                      "in different orders (a shuffle without a seed: `dataset.shuffle(n, seed=S)`, or "
-                      "keras.utils.set_random_seed before building the dataset). Each machine trains on its own "
-                      "order, so the run does not reproduce one device.")
-
-    def _close(self, pass_: Pass) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
-        if self._live is pass_:
-            self._live = None
-            _OPEN.discard(self)
-        pass_.close()
-
-    def close(self) -> None:
-        if self._pass is not None:
-            self._close(self._pass)
-            self._pass = None

@@ -6,7 +6,8 @@ from multigpu.data.arrays import ArraySource
 from multigpu.data.forms import input_kind, is_array_data
 from multigpu.data.host import Host
 from multigpu.data.loader import LoaderSource, can_cut_by_index
-from multigpu.data.readers import PyDatasetSource, StreamSource
+from multigpu.data.readers import PyDatasetSource
+from multigpu.data.streams import StreamSource
 from multigpu.data.tfdata import NumpyBatches, check_element_spec
 
 __all__ = ["source_for"]

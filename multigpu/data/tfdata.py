@@ -4,7 +4,7 @@ Keras's own dataset utilities (``image_dataset_from_directory``,
 ``text_dataset_from_directory``, ``audio_dataset_from_directory``,
 ``timeseries_dataset_from_array``) return a ``tf.data.Dataset`` by default,
 and plain Keras takes one on every backend.  Here the dataset is a stream of
-global batches (:class:`~multigpu.data.readers.StreamSource`): local rank 0
+global batches (:class:`~multigpu.data.streams.StreamSource`): local rank 0
 of each machine iterates it in a background thread, ahead of the step, with
 the pipeline's own parallelism (``map(num_parallel_calls=...)``,
 ``interleave``, ``prefetch``, ``cache``), and every rank of the machine takes

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import keras
 
-from multigpu import membership
+from multigpu import backend, membership
 from multigpu._keras import compat as _compat
 from multigpu.planning.plan import StepPlan, StepPlanner
 
@@ -27,13 +27,13 @@ __all__ = ["ShardedData"]
 
 
 def _to_backend(batch):
-    jax = keras.backend.backend() == "jax"
+    numpy_first = not backend.facts().takes_torch_tensors
 
     def convert(a):
         if a is None:
             return a
-        if jax and type(a).__module__.startswith("torch"):
-            a = a.numpy()  # a DataLoader's tensors, for JAX
+        if numpy_first and type(a).__module__.startswith("torch"):
+            a = a.numpy()  # a DataLoader's tensors, for a backend that does not take them (JAX)
         return keras.ops.convert_to_tensor(a)
 
     return keras.tree.map_structure(convert, batch)

@@ -127,9 +127,10 @@ def exit_code(code: object) -> int:
 def _join_early() -> None:
     """On JAX and TensorFlow, joins the run before the program runs: JAX allows it only before its first
     computation, and TensorFlow takes its devices and threads only then."""
+    from multigpu import backend
     from multigpu.runtime import environments, start
 
-    early = env.get("KERAS_BACKEND") in ("jax", "tensorflow")
+    early = backend.name() in backend.SUPPORTED and backend.facts().join_first
     if early and environments.detect(env.copy()) is not None:
         start()
 

@@ -5,14 +5,12 @@
 * ``step``: the training, test and predict functions Keras's loops call;
 * ``facts``: ``FACTS``, what the layers above need to know of this backend.
 
-Only ``group`` is imported eagerly, and it imports JAX only when joining.
+Nothing here imports the framework: ``FACTS`` first, the rest at first use.
 """
 
 from multigpu.backend import lazy
 from multigpu.backend.jax.facts import FACTS
-from multigpu.backend.jax.group import bind, join, leave
 
 __all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
-
-__getattr__ = lazy(Comm="multigpu.backend.jax.collectives:Comm", Steps="multigpu.backend.jax.step:JaxSteps")
+__getattr__ = lazy(__name__, Comm="multigpu.backend.jax.collectives:Comm", Steps="multigpu.backend.jax.step:JaxSteps")

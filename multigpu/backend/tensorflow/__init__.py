@@ -3,7 +3,8 @@
 * ``group``: binding TensorFlow to this process's device, joining the run and leaving it;
 * ``collectives``: ``Comm``, every collective multigpu does (the engine's, :mod:`multigpu.engine`, on NumPy arrays);
 * ``feeding``: this rank's share of each global batch as the iterable Keras's loop reads;
-* ``step``: the training, test and predict functions Keras's loops call;
+* ``step``: the training function Keras's loop calls, with ``evaluation`` (test and predict) and ``states``
+  (what a step keeps to be taken again after a lost device; the global metric results);
 * ``custom``: a ``train_step`` of the model's own (``tf.GradientTape`` and ``optimizer.apply``);
 * ``facts``: ``FACTS``, what the layers above need to know of this backend.
 
@@ -18,15 +19,13 @@ between ranks of one machine, gloo elsewhere (TensorFlow's GPU tensors are summe
 TensorFlow users install torch's CPU wheel beside TensorFlow (``make``
 does).
 
-Only ``group`` is imported eagerly, and it imports TensorFlow only when binding.
+Nothing here imports the framework: ``FACTS`` first, the rest at first use.
 """
 
 from multigpu.backend import lazy
 from multigpu.backend.tensorflow.facts import FACTS
-from multigpu.backend.tensorflow.group import bind, join, leave
 
 __all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
-
-__getattr__ = lazy(Comm="multigpu.backend.tensorflow.collectives:Comm",
+__getattr__ = lazy(__name__, Comm="multigpu.backend.tensorflow.collectives:Comm",
                    Steps="multigpu.backend.tensorflow.step:TensorFlowSteps")

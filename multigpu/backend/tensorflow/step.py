@@ -59,14 +59,16 @@ from multigpu.backend.facts import HALF_PRECISION
 from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.tensorflow.custom import CustomSteps
-from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
+from multigpu.backend.tensorflow.evaluation import Evaluation
+from multigpu.backend.tensorflow.states import States
+from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split, tensors
 from multigpu.balancing.timing import StepRecord
 from multigpu.membership import PeerLostError
 
 __all__ = ["TensorFlowSteps"]
 
 
-class TensorFlowSteps(StepsCore):
+class TensorFlowSteps(Evaluation, States, StepsCore):
     """The functions of one parallel model on TensorFlow (see the module docstring and
     :mod:`multigpu.backend.steps`).
 
@@ -242,10 +244,10 @@ class TensorFlowSteps(StepsCore):
         recovery = self.recovery
         if self.balancer.lost and any(plan.sizes[r] for r in self.balancer.lost):
             data, plan = recovery.cut_again(plan)  # planned ahead of a loss
-            data = _tensors(data)
+            data = tensors(data)
         if recovery.welcome_due:
             plan, data = recovery.welcome()
-            data = _tensors(data)
+            data = tensors(data)
         if not self.balancer.calibrated:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             self._calibrate(lambda: self._solo_rate(x, y, sample_weight, plan.local))
@@ -260,7 +262,7 @@ class TensorFlowSteps(StepsCore):
                 data, plan, logs = recovery.after_loss(lost, kept, for_step=True)
                 if logs is not None:
                     return logs  # the step was done elsewhere: this rank took its state
-                data = _tensors(data)
+                data = tensors(data)
 
     def _train_on(self, data, plan) -> dict:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -370,162 +372,3 @@ class TensorFlowSteps(StepsCore):
         for v, value in kept:
             v.assign(value)
         return measured
-
-    # ---------------------------------------------------------- evaluation
-    def _build_test(self) -> None:
-        model = self.model
-        training_arg = _compat.call_has_training_arg(model)
-
-        def local(x, y, sample_weight):
-            y_pred = model(x, training=False) if training_arg else model(x)
-            loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=False)
-            tracker = _compat.loss_tracker(model)
-            if tracker is not None:
-                tracker.update_state(loss, sample_weight=tf.shape(keras.tree.flatten(x)[0])[0])
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            return tf.concat([tf.zeros(0, tf.float32), *flat([v.value for v in model.metrics_variables])], 0)
-
-        self._test_local = self._function(local)
-        self._test_results = self._function(
-            lambda summed: metric_results(model, summed, list(model.metrics_variables), 0), jit=False)
-        self._test = True
-
-    def _test_function(self, iterator):
-        return self._batches(self._test_batch, iterator)[-1]
-
-    def _test_batch(self, data) -> dict:
-        self._ready(data)
-        if self._test is None:
-            self._build_test()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        rows = batch_rows(x)
-        self._fresh = None
-        if self.user_test_step is not None:
-            logs, self._fresh = self.custom.test(data, rows)
-            return logs
-        while True:
-            kept = self.recovery.keep()
-            try:
-                membership.at("validation", self.comm.rank)
-                states = self._test_local(x, y, sample_weight).numpy() if rows > 0 else self._states()
-                summed = self.comm.reduce(states, "summing the step's metrics")
-                break
-            except PeerLostError as lost:
-                self.comm.take_lost()
-                data, _, _ = self.recovery.after_loss(lost, kept, for_step=False)
-                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_tensors(data))
-                rows = batch_rows(x)
-        self._summed_states = np.array(summed)
-        logs = self._test_results(tf.constant(summed))
-        self._fresh = logs
-        return logs
-
-    # ---------------------------------------------------------- prediction
-    def make_predict_function(self, force: bool = False):
-        if self._predict is None or force:
-            model = self.model
-            def predict(data):
-                return model.predict_step(data)
-
-            self._predict = self._function(predict)
-        self.model.predict_function = self._predict_function
-        return self._predict_function
-
-    def _predict_function(self, data: list):
-        """Keras's TensorFlow ``predict`` hands over a list of ``steps_per_execution`` batches."""
-        outputs = [self._predict_batch(batch) for batch in data]
-        if len(outputs) == 1:
-            return outputs[0]
-        return keras.tree.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
-
-    def _predict_batch(self, batch):
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-        if not self._initialized:  # an unbuilt model (no target to build its metrics with): its layers from one row
-            if not self.model.built:
-                self.model(one_row_of_zeros(x), training=False)
-            self._initialize()
-        if batch_rows(x) > 0:
-            return self._predict(batch)
-        # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
-        outputs = self._predict((one_row_of_zeros(x),))
-        return keras.tree.map_structure(lambda a: a[:0], outputs)
-
-    # ---------------------------------------------------------- recovery's hooks (backend/recovery.py)
-    def snapshot(self) -> list:
-        self._kept_metrics = self._states()
-        return [(v, v.numpy()) for v in self.model.non_trainable_variables]
-
-    def restore_forward(self, kept: list | None) -> None:
-        for v, value in kept or ():
-            v.assign(value)
-
-    def undo_updates(self) -> None:
-        for v, value in self._kept_updates or ():
-            v.assign(value)
-        self._kept_updates = None
-
-    def take_over_metrics(self) -> None:
-        """Every rank back to its metric states before the step; the leader adds what the lost ranks had
-        counted (the last sum less the survivors' part), so that the global results go on as before."""
-        kept = self._kept_metrics
-        if kept is None:
-            return
-        self._load_states(kept)
-        if self._summed_states is None:
-            return
-        survivors = np.asarray(self.comm.sum_floats(kept.tolist(), "summing the metrics of the ranks left"),
-                               np.float32)
-        if self.comm.rank == self.comm.leader:
-            self._load_states(kept + (self._summed_states - survivors))
-
-    def metrics_from_zero(self) -> None:
-        if self._kept_metrics is not None:
-            self._kept_metrics = np.zeros_like(self._kept_metrics)
-
-    def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
-        """This rank's training step finished with another rank's sum: its metric states (the first
-        ``n_timing`` values, as :meth:`_train_on` noted them) give the logs, the rest the step's record."""
-        if self.user_train_step is not None:
-            from multigpu import failure
-
-            failure.fail("a sum of a train_step of the model's own reached some ranks only before a rank was lost; "
-                         "on TensorFlow such a step cannot be finished with another rank's sum, so the run ends")
-        values = np.asarray(summed, np.float32)
-        states, tail = values[:n_timing], values[n_timing:]
-        self._summed_states = states
-        logs = metric_results(self.model, tf.constant(states), list(self.model.metrics_variables), 0)
-        self._record(tail[1:], adopt)
-        return logs
-
-    def _load_states(self, values: np.ndarray) -> None:
-        offset = 0
-        for v in self.model.metrics_variables:
-            n = int(np.prod(v.shape))
-            v.assign(np.reshape(values[offset : offset + n], v.shape).astype(v.dtype))
-            offset += n
-        self._fresh = None
-
-    # ---------------------------------------------------------- metrics
-    def _states(self) -> np.ndarray:
-        """The model's metric states now, as one float32 vector."""
-        return np.concatenate([np.zeros(0, np.float32),
-                               *(np.asarray(v.numpy(), np.float32).reshape(-1) for v in self.model.metrics_variables)])
-
-    def get_metrics_result(self):
-        """Global results; Keras's own (local) ones while TensorFlow traces a function or a step runs eagerly."""
-        if tf.inside_function() or self._local_results:
-            return self.keras_metrics_result()
-        if self._fresh is None:
-            refs = list(self.model.metrics_variables)
-            summed = self.comm.reduce(self._states(), "summing metrics")
-            self._fresh = metric_results(self.model, tf.constant(summed), refs, 0)  # eagerly: rare
-        return {k: np.asarray(v) if np.ndim(v) else float(v) for k, v in self._fresh.items()}
-
-    def reset_metrics(self):
-        self._fresh = None
-        return self.keras_reset_metrics()
-
-
-def _tensors(data):
-    """A batch cut again (NumPy or tensors) as tensors, as the step's functions take it."""
-    return keras.tree.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), data)

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from multigpu._keras.model_parts import results_with_states
 
-__all__ = ["flat", "metric_results", "one_row_of_zeros", "split"]
+__all__ = ["flat", "metric_results", "one_row_of_zeros", "split", "tensors"]
 
 
 def flat(values) -> list:
@@ -39,3 +39,9 @@ def one_row_of_zeros(data):
     """A stand-in batch of one row of zeros, shaped and typed as ``data`` (a batch with no rows)."""
     return keras.tree.map_structure(
         lambda a: None if a is None else tf.zeros((1, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
+
+
+def tensors(data):
+    """A batch (NumPy arrays or tensors, a batch cut again after a loss) as tensors, as the step's functions
+    take it."""
+    return keras.tree.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), data)

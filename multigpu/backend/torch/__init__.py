@@ -7,14 +7,12 @@
 * ``batchnorm``: BatchNorm statistics across devices;
 * ``facts``: ``FACTS``, what the layers above need to know of this backend.
 
-Only ``group`` is imported eagerly.
+Nothing here imports the framework: ``FACTS`` first, the rest at first use.
 """
 
 from multigpu.backend import lazy
 from multigpu.backend.torch.facts import FACTS
-from multigpu.backend.torch.group import bind, join, leave
 
 __all__ = ["FACTS", "Comm", "Steps", "bind", "join", "leave"]
 
-
-__getattr__ = lazy(Comm="multigpu.engine.comm:Comm", Steps="multigpu.backend.torch.step:TorchSteps")
+__getattr__ = lazy(__name__, Comm="multigpu.engine.comm:Comm", Steps="multigpu.backend.torch.step:TorchSteps")

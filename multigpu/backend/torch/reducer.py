@@ -11,30 +11,22 @@ depend on the batch (regularizers), since the weights sum to one.
 after its backward pass, then Keras's own ``apply``; for a ``train_step``
 override (several optimizers, several backward passes, frozen parts), which
 calls ``optimizer.apply`` itself, each optimizer is wrapped on the instance
-to take the same sum first.  One collective per sum carries the gradients, one flag per variable (a variable without a
-gradient on every rank keeps ``None``, as on one device: an optimizer with
-momentum must not see a zero there), whatever the step attached (metric
-states and step timings, so that the built-in step needs no other
-collective), and a short header that catches ranks whose calls differ.
+to take the same sum first.  One collective per sum carries the gradients,
+one flag per variable (a variable without a gradient on every rank keeps
+``None``, as on one device: an optimizer with momentum must not see a zero
+there), whatever the step attached (metric states and step timings), and a
+short header that catches ranks whose calls differ.
 
-A step's figures have one owner: :meth:`GradientSync.begin_step` makes a
-:class:`StepSums` holding the step's weight ``b_r / B`` (fixed for the step
-and passed on as an argument to everything that weights a gradient), the
-extras it attaches to its next optimizer call and their sum, and its calls.
-In a run that may lose a rank it also keeps what the step's updates change
-(the variables and the optimizer's state, before the first update of each),
-so that a step of the model's own, whose logs are summed after its updates,
-can be put back and taken again when a rank is lost after an update
-(:meth:`GradientSync.undo`).
-
-Compression (``"bf16"``, ``"fp16"``) sends the weighted gradients in 16 bits
-and the rest in float32: the weighting is applied before the cast, so it stays
-right whatever the rounding does.
-
-With ``overlap`` (between machines and on GPUs), from the second step on each
-call's gradients are summed in buckets while the backward pass runs
-(:mod:`multigpu.backend.torch.overlap`); the call's plan (its variables) is
-the one the same call had in the previous step.
+A step's figures have one owner, the :class:`StepSums` that
+:meth:`GradientSync.begin_step` makes: the step's weight ``b_r / B``, the
+extras and their sum, its calls, and, in a run that may lose a rank, what its
+updates change, so that a step of the model's own can be put back
+(:meth:`GradientSync.undo`).  Compression (``"bf16"``, ``"fp16"``) sends the
+weighted gradients in 16 bits and the rest in float32 (weighted before the
+cast).  With ``overlap`` (between machines and on GPUs), from the second step
+on each call's gradients are summed in buckets while the backward pass runs
+(:mod:`multigpu.backend.torch.overlap`), planned by the same call's variables
+in the previous step.
 """
 
 from __future__ import annotations

@@ -44,10 +44,10 @@ first replays of a signature recorded after at least three warm passes
 through Keras (from its second: a first pass pays for a new size's buffers
 and kernels' plans) are timed against the fastest of them, in processor
 time; until then, a signature is recorded once its passes through Keras took
-as long as the last recording did.  The saving per step is
-about the same at every batch size (it is Keras's Python per operation).  A
-later signature is then recorded once the steps it ran through Keras's pass
-would have saved as much as a recording costs (a rent-or-buy rule: at most
+as long as the last recording did.  The saving per step is about the same at
+every batch size (it is Keras's Python per operation).  A later signature
+is then recorded once the steps it ran through Keras's pass would have saved
+as much as a recording costs (a rent-or-buy rule: at most
 twice the cost of knowing the future), so a model whose replay saves nothing
 (a convnet, whose time is its arithmetic) is never recorded again and a
 size a search only passes through costs nothing.  While the search moves,
@@ -78,8 +78,6 @@ __all__ = ["ForwardReplay", "ineligible", "prepare_graph"]
 _DIFFERS = "its replay differed from Keras's own pass"
 # Modules whose layers' ``call`` the replay trusts to keep no Python state between steps.
 TRUSTED_MODULES = ("keras.", "keras_hub.src.layers.modeling.")
-
-
 # While the share search moves, a new batch size is recorded at once only when a recording costs at most
 # this: the GRU of bench_balance records in 4 s, and a recording at each of a search's ~10 moves cost more
 # than the search gained (gru 256: auto 0.65 of the best fixed share); the MLP's take 0.2 s.

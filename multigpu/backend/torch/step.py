@@ -21,11 +21,9 @@ for that path alone each optimizer's ``apply`` is wrapped (once, when the
 optimizer is first seen) to take the same weighted sum first, and the logs
 become global in one collective after the step.
 
-When a rank is lost during a step, the step is taken again over the ranks
-left, exactly, by the neutral :class:`~multigpu.backend.recovery.Recovery`
-through the hooks these steps give it (``snapshot``, ``restore_forward``,
-``undo_updates``, ``take_over_metrics``, ``metrics_from_zero``,
-``finish_sum``).
+A step that loses a rank is taken again over the ranks left, exactly, by
+:class:`~multigpu.backend.recovery.Recovery` through the hooks below.  Test
+and predict steps: :mod:`.evaluation`.
 """
 
 from __future__ import annotations
@@ -41,7 +39,8 @@ from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
 from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.torch import optimizers as blockwise
-from multigpu.backend.torch.batchnorm import average_statistics, install_global_moments
+from multigpu.backend.torch.batchnorm import install_global_moments
+from multigpu.backend.torch.evaluation import Evaluation
 from multigpu.backend.torch.memory import DeviceMemory, OutOfMemoryStepError
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
@@ -52,7 +51,7 @@ from multigpu.balancing.timing import StepRecord
 __all__ = ["TorchSteps"]
 
 
-class TorchSteps(StepsCore):
+class TorchSteps(Evaluation, StepsCore):
     """The steps of one parallel model (see the module docstring and :mod:`multigpu.backend.steps`).
 
     Args:
@@ -361,61 +360,6 @@ class TorchSteps(StepsCore):
                 for v, s in zip(variables, saved):
                     v.value.copy_(s)
             model.zero_grad()
-
-    # ---------------------------------------------------------- evaluation
-    def test_step(self, data):
-        self._initialize()
-        while True:
-            kept = self.recovery.keep()
-            try:
-                return self._test_on(data)
-            except membership.PeerLostError as lost:
-                data, _, _ = self.recovery.after_loss(lost, kept, for_step=False)
-
-    def _test_on(self, data):
-        membership.at("validation", self.comm.rank)
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        rows = batch_rows(x)
-        self.metrics.invalidate()
-        logs_local = None
-        if rows > 0:
-            step = self.keras_test_step if self.user_test_step is None else self.user_test_step.__get__(self.model)
-            with self.metrics.local_results():
-                logs_local = step(data)
-        return self._sum_logs(logs_local, rows, [], "test")
-
-    def predict_step(self, data):
-        self._initialize()
-        step = self.keras_predict_step if self.user_predict_step is None else self.user_predict_step.__get__(self.model)
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if batch_rows(x) > 0:
-            return step(data)
-        # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
-        one = keras.tree.map_structure(
-            lambda a: None if a is None else torch.zeros((1, *a.shape[1:]), dtype=a.dtype, device=a.device), x)
-        out = step((one,))
-        return keras.tree.map_structure(lambda a: a[:0], out)
-
-    # ---------------------------------------------------------- metrics
-    def get_metrics_result(self):
-        """Global results (local inside a step, where the step makes them global itself)."""
-        if self.metrics.updates_only:
-            return {}
-        if self.metrics.local or (self.comm.rejoined and not self._initialized):
-            return self.keras_metrics_result()  # (Keras's build, on a rank that came back: the others are in a step)
-        return self.metrics.global_results()
-
-    def reset_metrics(self):
-        self.metrics.invalidate()
-        self.metrics.forget()
-        return self.keras_reset_metrics()
-
-    def sync_batchnorm_statistics(self) -> None:
-        """BatchNorm moving statistics averaged over ranks by share (no-op with global statistics)."""
-        if self.sync_batchnorm:
-            return
-        ratios = self.balancer.ratios
-        average_statistics(self.model, self.comm, ratios[self.comm.rank] / sum(ratios))
 
 
 def _move_to(variables, device: torch.device) -> None:

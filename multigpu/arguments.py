@@ -1,0 +1,136 @@
+"""``parallelize``'s arguments, checked and read: a bad value gets an error that says what was received and what
+is allowed, before any process starts."""
+
+from __future__ import annotations
+
+import os
+
+from multigpu import env
+from multigpu.planning.shares import RatioSpec, validate_ratios
+from multigpu.runtime import runtime as _runtime
+
+__all__ = ["TRANSPORTS", "as_given", "bucket_mb", "check_caps", "check_flag", "check_model", "check_sharding",
+           "devices_differ", "megabytes", "min_devices", "ratios_from_profile", "ratios_text", "switch"]
+
+TRANSPORTS = ("auto", "shm", "gloo")
+
+
+def check_model(model) -> None:
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError("multigpu.parallelize() takes a Keras 3 model (keras.Model, Sequential, functional or "
+                        f"subclassed). Received: {type(model).__name__}")
+    from multigpu.keras.parallel import is_parallel
+
+    if is_parallel(model):
+        raise ValueError("multigpu.parallelize() was already called on this model. Call it once per model; the "
+                         "returned model is the same object.")
+
+
+def check_flag(name: str, value, allow_none: bool = False) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise TypeError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
+
+
+def check_sharding(shard_optimizer, min_devices, facts) -> None:
+    check_flag("shard_optimizer", shard_optimizer)
+    if shard_optimizer and not facts.shard_optimizer:
+        raise ValueError(f"`shard_optimizer=True` runs on the torch backend; on the {facts.name} backend every "
+                         "device holds the whole optimizer state. Received: shard_optimizer=True with "
+                         f"KERAS_BACKEND={facts.name}")
+    if shard_optimizer and min_devices is not None:
+        raise ValueError("`shard_optimizer=True` cannot go with `min_devices`: the optimizer state of a lost "
+                         "device's part of the weights would be lost with it. Received: shard_optimizer=True, "
+                         f"min_devices={min_devices}")
+
+
+def check_caps(max_batch, n: int):
+    if max_batch is None:
+        return None
+    caps = list(max_batch)
+    if len(caps) != n or not all(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)
+                                 for c in caps):
+        raise ValueError(f"`max_batch` takes one positive integer (or None) per device ({n} devices). "
+                         f"Received: max_batch={max_batch!r}")
+    return caps
+
+
+def devices_differ(devices, facts) -> bool:
+    """Whether the devices may differ in speed: kinds or speed factors differ, or GPUs of other models."""
+    if len({(d.kind, d.speed) for d in devices}) > 1:
+        return True
+    if devices and devices[0].is_cuda:
+        try:
+            return len({facts.gpu_info(d.index)["name"] for d in devices}) > 1
+        except Exception:  # a GPU the framework cannot describe: take them as alike
+            return False
+    return False
+
+
+def ratios_from_profile(spec: RatioSpec, n: int) -> tuple[RatioSpec, bool]:
+    """A profile path read into fixed ratios; an unusable one falls back to measuring."""
+    from multigpu._warn import warn_user
+    from multigpu.balancing.profiles import ProfileError, read_profile
+
+    try:
+        values = read_profile(spec.path)["ratios"]
+        return RatioSpec("fixed", tuple(validate_ratios(values, n))), False
+    except (ProfileError, ValueError) as exc:
+        if _runtime.rank() == 0:
+            warn_user(f"multigpu: cannot use the profile ({exc}); calibrating instead.")
+        return RatioSpec("auto"), True
+
+
+def switch(variable: str):
+    """Reads a ``0``/``1`` variable as a bool."""
+    def parse(text: str) -> bool:
+        if text not in ("0", "1"):
+            raise ValueError(f"{variable} must be 0 or 1. Received: {variable}={text!r}")
+        return text == "1"
+    return parse
+
+
+def megabytes(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{env.BUCKET_MB} is a bucket size in MiB, a number above 0. Received: {text!r}") from None
+
+
+def bucket_mb(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`bucket_mb` is a bucket size in MiB, a number above 0. Received: bucket_mb={value!r}")
+    return float(value)
+
+
+def as_given(ratios):
+    """Ratios as the caller gave them, numbers as floats (to compare with a variable's); None stays None."""
+    if ratios is None or isinstance(ratios, os.PathLike):
+        return ratios
+    if isinstance(ratios, str):
+        return ratios_text(ratios)
+    try:
+        return [float(r) for r in ratios]
+    except (TypeError, ValueError):
+        return ratios  # parse_ratios says what is wrong with them
+
+
+def ratios_text(text: str):
+    """A ``MULTIGPU_RATIOS`` value as :func:`as_given` gives an argument: ``auto`` or a path stays text."""
+    try:
+        return [float(r) for r in text.split(",")]
+    except ValueError:
+        return text
+
+
+def min_devices(value, n: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= n:
+        raise ValueError(f"`min_devices` is the fewest devices the run goes on with: an integer from 1 to the "
+                         f"{n} devices. Received: min_devices={value!r}")
+    return value

@@ -1,0 +1,134 @@
+"""How the share search settles, and what it does once settled (a part of :class:`.search.ShareSearch`).
+
+The search settles when no move of one sample or more pays, after
+``patience`` moves in a row were undone, or when the run's steps for it are
+spent (:meth:`Settling.time_up`).  Throughput may not have told the kept
+shares from moves toward the balance the compute speeds call for (on a noisy
+machine, shares 4 points apart measure within the windows' noise): it then
+settles at the measured shares nearest that balance whose windows were within
+the noise of the kept shares', unless a move on the way measured clearly
+worse (:meth:`Settling._tie`).  The speeds compare the devices within the
+same steps, so a drift of the whole machine does not move them, while every
+throughput comparison is between windows taken at different times.  Once
+settled, the throughput is watched (:mod:`multigpu.balancing.watch`), and a
+fall that lasts starts the search again.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from multigpu.balancing.windows import Event
+
+__all__ = ["Settling"]
+
+
+def _describe(ratios: Sequence[float]) -> str:
+    return "/".join(f"{r:.0%}" for r in ratios)
+
+
+class Settling:
+    """Settling and watching, for :class:`~multigpu.balancing.search.ShareSearch` (whose state they read)."""
+
+    def time_up(self, steps: int) -> list[Event]:
+        """Settles now: the run's steps for the search are spent.
+
+        Whatever is being measured is decided on what it measured so far, against the kept shares' mean:
+        a move (or the best point of the scan, one window each) is kept only when its mean is above the
+        kept shares' by the margin its own windows allow (as :meth:`_judge` would with more windows);
+        otherwise the kept shares stay.  Then the shares are watched like any settled ones.
+        """
+        before = self.figures.kept()
+        events: list[Event] = []
+        candidate: tuple[tuple[float, ...], float, int] | None = None  # shares, measured, windows
+        if self._trial is not None and self._trial[1] != "scan" and self._trial_runs:
+            candidate = (self._trial[0], statistics.fmean(self._trial_runs), len(self._trial_runs))
+        elif self._confirm is not None:
+            candidate = (self._confirm[0], statistics.fmean(self._confirm[2]), len(self._confirm[2]))
+        elif self._scan.results:
+            rate, best = max(self._scan.results)
+            candidate = (best, rate, 1)
+        self._trial, self._trial_runs, self._confirm = None, [], None
+        self._scan.close()
+        self.ratios = self.base
+        if candidate is not None and before > 0:
+            shares, measured, n = candidate
+            margin = self.figures.margin(n, self.tuning.strict_factor)
+            if measured > before * (1 + margin):
+                old, self.base, self.ratios = self.base, shares, shares
+                self.figures.runs = [measured]
+                self.changes += 1
+                events.append(Event("keep", old, shares, before, measured, f"{measured / before - 1:+.1%}"))
+        return events + self._settle(f"after {steps} steps the search stops moving")
+
+    def settle_as_found(self) -> None:
+        """Starts settled at the given shares (found by an earlier search at another batch size): no scan, no
+        probe; watched from the first windows on."""
+        self.settled = True
+        self._scan.close()
+        self.watch.start()
+
+    def _tie(self) -> tuple[float, ...] | None:
+        """The measured shares nearest the compute speeds' balance that throughput could not tell from the kept ones.
+
+        Only when the speeds are ``tie_imbalance`` out of balance at the kept shares, among the moves undone
+        since the last kept one that lie on the way from the kept shares toward that balance (or a little
+        beyond it); none if one of those measured clearly worse (``tie_noise`` noise units of a difference of
+        its windows and the kept shares').
+        """
+        _, proposal, imbalance = self._model()
+        t = self.tuning
+        if proposal is None or imbalance < 1 + t.tie_imbalance or not self._judged:
+            return None
+        base, target = self.shares(self.base), self.shares(proposal)
+
+        def apart(a, b) -> int:
+            return sum(abs(x - y) for x, y in zip(a, b))
+
+        span = apart(base, target)
+        best: tuple[int, tuple[float, ...]] | None = None
+        for ratios, relative, windows in self._judged:
+            point = self.shares(ratios)
+            if apart(base, point) + apart(point, target) > 1.25 * span + 2 * self.quantum:
+                continue  # not on the way to the balance
+            clear = max(self.noise_floor, t.tie_noise * self.noise() * math.sqrt(1 / windows + 1 / t.base_windows))
+            if relative < -clear:
+                return None  # a move toward the balance measured clearly worse
+            if apart(point, target) < span and (best is None or apart(point, target) < best[0]):
+                best = (apart(point, target), ratios)
+        return best[1] if best is not None else None
+
+    def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
+        tie = self._tie()
+        if tie is not None:
+            old = self.base
+            self.base, self.ratios = tie, tie
+            self.changes += 1
+            self._judged = []
+            self._undone = 0
+            self.settle_as_found()  # watched from its first windows on
+            why += (f"; throughput could not tell {_describe(tie)} from {_describe(old)}: settled at the shares "
+                    "nearest the compute speeds' balance")
+            return [Event("settle", tuple(old), tuple(tie), 0.0, 0.0, why)]
+        self.settled = True
+        self.watch.start(self.figures.kept())
+        self._undone = 0
+        return [Event("settle", tuple(self.ratios), tuple(self.ratios), self.watch.reference, 0.0, why)]
+
+    def _watch(self, throughput: float) -> list[Event]:
+        """Settled: the search starts again only when :class:`Watch` says the throughput fell (saying why)."""
+        why = self.watch.fell(throughput, self.noise())
+        if why is None:
+            return []
+        self.settled = False
+        self.step = self.first_step
+        self._tried.clear()
+        self._momentum = None
+        self._jumps.clear()
+        self._judged = []
+        self._costs.clear()  # windows from before a change of speed describe other devices
+        self.figures.runs = self.figures.runs[-1:]
+        events = [Event("restart", tuple(self.ratios), tuple(self.ratios), self.watch.reference, throughput, why)]
+        return events + self._propose()

@@ -1,0 +1,86 @@
+"""Step records summed: over an epoch for its report, and over a window for the share search (pure Python).
+
+Every rank reads the same :class:`~multigpu.balancing.timing.StepRecord` of
+each step (the timings travel in the step's sum), so every rank's tallies
+are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from multigpu.balancing.timing import StepRecord
+
+__all__ = ["EpochTally", "StepsWindow"]
+
+
+class EpochTally:
+    """An epoch's steps, per device: wall, step, compute and input seconds, samples; the sum's own time.
+
+    Args:
+        world_size: the run's ranks.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.totals: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        n = self.world_size
+        self.totals = {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n,
+                       "input": [0.0] * n, "sum": 0.0, "steps": 0}
+
+    def add(self, rec: StepRecord) -> None:
+        """Counts one step's record."""
+        e = self.totals
+        for r in range(self.world_size):
+            e["wall"][r] += rec.wall[r]
+            e["step"][r] += rec.step[r]
+            e["compute"][r] += rec.compute[r]
+            e["samples"][r] += rec.samples[r]
+            e["input"][r] += rec.input[r] if rec.input else 0.0
+        # The rank that reached the sum last waited for the sum alone (the link); the others' extra wait is
+        # the time they waited for a slower device.
+        e["sum"] += min(max(0.0, s - c) for s, c in zip(rec.step, rec.compute))
+        e["steps"] += 1
+
+    def rows(self, labels: list[str], shares: list[float], caps: list[int | None]) -> list[dict]:
+        """The report's row of each device: where its time went, its samples/s, its share and largest batch."""
+        e = self.totals
+        rows = []
+        for r, label in enumerate(labels):
+            wall, step, compute = e["wall"][r], e["step"][r], e["compute"][r]
+            samples = e["samples"][r]
+            rows.append({
+                "device": label, "share": shares[r], "data": max(0.0, wall - step),
+                "input": min(e["input"][r], max(0.0, wall - step)),
+                "compute": compute, "wait": max(0.0, step - compute), "samples": samples, "steps": e["steps"],
+                "sum": min(e["sum"], max(0.0, step - compute)),
+                "samples_per_second": samples / wall if wall else 0.0,
+                "compute_samples_per_second": samples / compute if compute else 0.0,
+                "largest_batch": caps[r],
+            })
+        return rows
+
+
+@dataclass
+class StepsWindow:
+    """Steps summed for one window of the share search (reset at every change of shares)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    samples: int = 0
+    compute: list[float] = field(default_factory=list)
+    local: list[int] = field(default_factory=list)
+
+    def add(self, rec: StepRecord) -> None:
+        """Counts one step: its wall time (the slowest rank's), samples, and each rank's compute and rows."""
+        if not self.compute:
+            self.compute, self.local = [0.0] * len(rec.samples), [0] * len(rec.samples)
+        self.steps += 1
+        self.seconds += max(rec.wall)
+        self.samples += sum(rec.samples)
+        for r, (c, n) in enumerate(zip(rec.compute, rec.samples)):
+            self.compute[r] += c
+            self.local[r] += n
