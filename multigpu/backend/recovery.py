@@ -41,7 +41,7 @@ from multigpu import env, failure, membership
 from multigpu._keras.model_parts import build_optimizer, optimizers_of
 from multigpu.log import logger as log
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "counts_after_loss"]
 
 
 class Recovery:
@@ -218,3 +218,15 @@ class Recovery:
             log.info(f"{came} rejoined at epoch {position['epoch'] + 1}, step {position['step'] + 1}: rows "
                      f"{shares} of {plan.total}; {since} ({time.perf_counter() - began:.2f} s to take it in).")
         return plan, data
+
+
+def counts_after_loss(comm, kept: list[float], summed: list[float] | None) -> list[float]:
+    """This rank's metric states after a rank was lost during a step: its states before the step (``kept``),
+    and on the leader also what the lost ranks had counted (the last global sum less the survivors' part), so
+    that the global results go on as if nothing was lost.  Every rank calls it (a sum over the ranks left)."""
+    if summed is None:
+        return list(kept)
+    survivors = comm.sum_floats(list(kept), "summing the metrics of the ranks left")
+    if comm.rank != comm.leader:
+        return list(kept)
+    return [k + (s - v) for k, s, v in zip(kept, summed, survivors)]

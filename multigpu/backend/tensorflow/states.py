@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from multigpu import failure
+from multigpu.backend.recovery import counts_after_loss
 from multigpu.backend.tensorflow.tensors import metric_results
 
 __all__ = ["States"]
@@ -39,16 +40,10 @@ class States:
     def take_over_metrics(self) -> None:
         """Every rank back to its metric states before the step; the leader adds what the lost ranks had
         counted (the last sum less the survivors' part), so that the global results go on as before."""
-        kept = self._kept_metrics
-        if kept is None:
+        if self._kept_metrics is None:
             return
-        self._load_states(kept)
-        if self._summed_states is None:
-            return
-        survivors = np.asarray(self.comm.sum_floats(kept.tolist(), "summing the metrics of the ranks left"),
-                               np.float32)
-        if self.comm.rank == self.comm.leader:
-            self._load_states(kept + (self._summed_states - survivors))
+        summed = None if self._summed_states is None else self._summed_states.tolist()
+        self._load_states(np.asarray(counts_after_loss(self.comm, self._kept_metrics.tolist(), summed), np.float32))
 
     def metrics_from_zero(self) -> None:
         if self._kept_metrics is not None:

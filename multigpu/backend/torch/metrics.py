@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from multigpu._keras import compat as _compat
+from multigpu.backend.recovery import counts_after_loss
 
 __all__ = ["ALL_METRICS", "GlobalMetrics"]
 
@@ -199,16 +200,10 @@ class GlobalMetrics:
         """After a rank was lost during a step: every rank back to its states before the step, and the leader
         adds what the lost ranks had counted (the last sum less the survivors' part), so that the global
         results go on as if nothing was lost."""
-        kept = self._kept
-        if kept is None:
+        if self._kept is None:
             return
-        self.load(kept)
-        if self._summed is None:
-            return
-        survivors = torch.tensor(comm.sum_floats(kept.tolist(), "summing the metrics of the ranks left"),
-                                 dtype=torch.float32)
-        if comm.rank == comm.leader:
-            self.load(kept + (self._summed - survivors))
+        summed = None if self._summed is None else self._summed.tolist()
+        self.load(torch.tensor(counts_after_loss(comm, self._kept.tolist(), summed), dtype=torch.float32))
 
     # ------------------------------------------------------------ a step's logs
     def pack(self, logs: dict | None, rows: int, timing: list[float], phase: str) -> torch.Tensor:
