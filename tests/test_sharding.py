@@ -1,4 +1,4 @@
-"""A sharded optimizer (``parallelize(..., shard_optimizer=True)``): exact against one device, on torch.
+"""A sharded optimizer (``parallelize(..., shard_optimizer=True)``): exact against one device, on torch and TensorFlow.
 
 The partition (:mod:`multigpu.planning.partition`) is tested in-process; the
 runs (``tests/scripts/sharded.py``) compare 2 devices at 3:1 and 3 devices at
@@ -18,7 +18,7 @@ import pytest
 from multigpu.planning.partition import memory_weights, owners, parts
 from tests.conftest import SCRIPTS
 
-ENV = {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def test_owners_follow_the_weights_within_one_variable():
@@ -75,32 +75,44 @@ PLAIN_MODES = "default,features,custom,gan"
 
 @pytest.fixture(scope="module")
 def plain_folder(tmp_path_factory):
-    """One plain process's results of every mode but the checkpoint (which reads the parallel run's file)."""
-    folder = tmp_path_factory.mktemp("sharded-plain")
-    _run([sys.executable, str(SCRIPTS / "sharded.py"), PLAIN_MODES, str(folder / "plain"), "--plain"], folder)
+    """One plain process's results of every mode but the checkpoint (which reads the parallel run's file), per
+    backend."""
+    folders = {}
+
+    def folder(backend):
+        if backend not in folders:
+            folders[backend] = tmp_path_factory.mktemp(f"sharded-plain-{backend}")
+            _run([sys.executable, str(SCRIPTS / "sharded.py"), PLAIN_MODES, str(folders[backend] / "plain"),
+                  "--plain"], folders[backend], extra={"KERAS_BACKEND": backend})
+        return folders[backend]
+
     return folder
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("devices", "ratios", "transport"),
-                         [("cpu:0,cpu:1", "3,1", "auto"), ("cpu:0,cpu:1,cpu:2", "1,2,5", "gloo")])
-def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, devices, ratios, transport):
-    """Over shared memory the new weights are written straight into the result; over gloo (between machines,
-    and a GPU beside a CPU) they are summed with zeros where a rank does not own."""
+@pytest.mark.parametrize(("backend", "devices", "ratios", "transport"),
+                         [("torch", "cpu:0,cpu:1", "3,1", "auto"), ("torch", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo"),
+                          ("tensorflow", "cpu:0,cpu:1", "3,1", "auto"),
+                          ("tensorflow", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo")])
+def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend, devices, ratios, transport):
+    """Over shared memory the new weights are written straight into the result (torch) or summed (TensorFlow,
+    inside its step); over gloo (between machines, and a GPU beside a CPU) they are summed with zeros where a
+    rank does not own."""
     modes = f"{PLAIN_MODES},checkpoint" if transport == "auto" else "features,custom,gan"
     n = len(devices.split(","))
+    extra = {"MULTIGPU_TRANSPORT": transport, "KERAS_BACKEND": backend}
     # the parallel run first: the plain checkpoint run then loads its file
     _run([sys.executable, str(SCRIPTS / "sharded.py"), modes, str(tmp_path / "par"), "--devices", devices,
-          "--ratios", ratios], tmp_path, extra={"MULTIGPU_TRANSPORT": transport})
+          "--ratios", ratios], tmp_path, extra=extra)
     if "checkpoint" in modes:
         _run([sys.executable, str(SCRIPTS / "sharded.py"), "checkpoint", str(tmp_path / "plain"), "--plain"],
-             tmp_path)
+             tmp_path, extra=extra)
 
     def pair(mode):
         ranks = [_load(tmp_path / f"par-{mode}.npz")]
         ranks += [_load(tmp_path / f"par-{mode}.npz.rank{r}.npz") for r in range(1, n)]
-        return _load((tmp_path if mode == "checkpoint" else plain_folder) / f"plain-{mode}.npz"), ranks
+        return _load((tmp_path if mode == "checkpoint" else plain_folder(backend)) / f"plain-{mode}.npz"), ranks
 
     if "default" in modes:
         plain, ranks = pair("default")  # off unless asked for: every rank holds the whole state

@@ -12,7 +12,6 @@ result.  Tested with Keras 3.10 to 3.15.
 from __future__ import annotations
 
 import keras
-import numpy as np
 
 __all__ = ["TESTED", "DataAdapter", "PyDatasetAdapter", "batchnorm_axes", "batchnorm_moments",
            "call_has_training_arg", "check", "class_weight_to_sample_weights", "compile_metrics", "compute_loss",
@@ -259,7 +258,7 @@ def optimizer_variables(optimizer) -> list:
 
 
 # The optimizer's own lists that are not per-variable state to shard: the variables themselves, and the EMA's
-# averages (kept whole on every rank: :mod:`multigpu.backend.torch.sharding`).
+# averages (kept whole on every rank: :mod:`multigpu.backend.sharding`).
 _NOT_SLOTS = ("_trainable_variables", "_variables", "_model_variables_moving_average")
 
 
@@ -296,12 +295,13 @@ def clip_by_global_norm(grads: list, clip_norm: float) -> list:
 def update_ema(optimizer) -> None:
     """Keras's EMA step after an update (the end of ``_backend_apply_gradients``, before the iteration count
     moves): the averages of every variable, and the variables overwritten by them every
-    ``ema_overwrite_frequency`` steps."""
+    ``ema_overwrite_frequency`` steps (a condition on tensors, as Keras writes it: it may run traced)."""
     variables = optimizer._trainable_variables
     optimizer._update_model_variables_moving_average(variables)
     frequency = optimizer.ema_overwrite_frequency
-    if frequency and (int(keras.ops.convert_to_numpy(optimizer.iterations)) + 1) % frequency == 0:
-        optimizer._overwrite_model_variables_with_average_value(variables)
+    if frequency:
+        keras.ops.cond((optimizer.iterations + 1) % frequency == 0,
+                       lambda: optimizer._overwrite_model_variables_with_average_value(variables), lambda: None)
 
 
 @_uses("Optimizer", "_iterations")
@@ -312,19 +312,19 @@ def applied_steps(optimizer) -> int:
 
 @_uses("Optimizer", "_backend_reset_gradient_accumulators")
 @_uses("accumulating Optimizer", "_accumulated_gradients")
-def reset_held_accumulators(optimizer) -> None:
+def reset_held_accumulators(optimizer, held) -> None:
     """Keras's reset of the gradient accumulators after an accumulated update
-    (``_backend_reset_gradient_accumulators``), for the accumulators this process holds: a sharded optimizer
-    lets go of the others' storage (:mod:`multigpu.backend.torch.sharding`)."""
+    (``_backend_reset_gradient_accumulators``), for the accumulators ``held(accumulator)`` says this process
+    holds: an optimizer in parts lets go of the others' storage (:mod:`multigpu.backend.sharding`)."""
     for accumulator in optimizer._accumulated_gradients:
-        if accumulator is not None and int(np.prod(accumulator.shape)) == int(accumulator.value.numel()):
+        if accumulator is not None and held(accumulator):
             accumulator.assign(keras.ops.zeros(accumulator.shape, dtype=accumulator.dtype))
 
 
-@_uses("Variable", "_value", backends=("torch",))
+@_uses("Variable", "_value", backends=("torch", "tensorflow"))
 def set_variable_storage(variable, storage) -> None:
-    """Gives a torch Keras variable ``storage`` (a ``torch.nn.Parameter``) in place of its own, of another size
-    where it may be (an empty one lets go of its memory; the variable's Keras ``shape`` stays)."""
+    """Gives a Keras variable ``storage`` (a ``torch.nn.Parameter``, a ``tf.Variable``) in place of its own, of
+    another size where it may be (an empty one lets go of its memory; the variable's Keras ``shape`` stays)."""
     variable._value = storage
 
 

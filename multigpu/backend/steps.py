@@ -98,6 +98,7 @@ class StepsCore:
         self.user_train_step = own_method(cls, "train_step")
         self.user_test_step = own_method(cls, "test_step")
         self._initialized = False
+        self.shards = None  # the optimizers in parts (``shard_optimizer=True``), where the backend builds them
 
     # ---------------------------------------------------------- the contract
     def methods(self) -> dict:
@@ -110,14 +111,25 @@ class StepsCore:
         return False
 
     def prepare_optimizers(self) -> None:
-        """Builds the optimizers before Keras would (a sharded optimizer's state of this rank's part only)."""
+        """Builds the optimizers before Keras would (an optimizer in parts: the state of this rank's part only)."""
+        if self.shards is not None and self.model.optimizer is not None:
+            self.see_optimizers()
+            self.shards.prepare(self.model.optimizer, self.model.trainable_variables)
+
+    def see_optimizers(self) -> None:
+        """Takes in every optimizer of the model (once each): in parts, its update runs on the owned variables."""
+        if self.shards is not None:
+            for optimizer in optimizers_of(self.model):
+                self.shards.see(optimizer)
 
     def whole_optimizers(self) -> contextlib.AbstractContextManager:
         """The optimizers' whole state on every rank for the time of the block (a collective: every rank)."""
-        return contextlib.nullcontext()
+        return self.shards.whole() if self.shards is not None else contextlib.nullcontext()
 
     def gather_optimizers(self) -> None:
         """The optimizers' whole state on every rank from now on (a collective: every rank)."""
+        if self.shards is not None:
+            self.shards.gather()
 
     def sync_batchnorm_statistics(self) -> None:
         """BatchNorm moving statistics averaged over ranks, weighted by share (at an epoch's end).

@@ -1,4 +1,5 @@
-"""A sharded optimizer (``shard_optimizer=True``) against one plain process, on torch.
+"""A sharded optimizer (``shard_optimizer=True``) against one plain process, on torch and TensorFlow
+(``KERAS_BACKEND``).
 
     python sharded.py MODES OUT [--plain] [--devices cpu:0,cpu:1] [--ratios 3,1]
 
@@ -40,7 +41,31 @@ def flat(values) -> np.ndarray:
 def held(optimizer) -> int:
     """Optimizer-state values this process holds in memory (a sharded rank: its part and the scalars)."""
     inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-    return int(sum(v.value.numel() for v in inner.variables))
+    return int(sum(np.prod(v.value.shape) for v in inner.variables))
+
+
+def gradients(model, loss_fn, variables):
+    """``(loss, gradients of variables)``: by ``backward`` on torch, a ``GradientTape`` on TensorFlow."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        return loss, tape.gradient(loss, variables)
+    model.zero_grad()
+    loss = loss_fn()
+    loss.backward()
+    return loss, [v.value.grad for v in variables]
+
+
+def apply(optimizer, grads, variables):
+    if keras.backend.backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            optimizer.apply(grads, variables)
+    else:
+        optimizer.apply(grads, variables)
 
 
 FEATURES = {
@@ -91,7 +116,7 @@ def features(a):
 
 
 class Custom(keras.Model):
-    """Keras's "customizing fit" step on torch."""
+    """Keras's "customizing fit" step."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -102,16 +127,11 @@ class Custom(keras.Model):
         return self.out(self.hidden(x))
 
     def train_step(self, data):
-        import torch
-
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        self.zero_grad()
-        y_pred = self(x, training=True)
-        loss = keras.ops.mean(keras.ops.square(y_pred - y))
-        loss.backward()
         trainable = self.trainable_weights
-        with torch.no_grad():
-            self.optimizer.apply([v.value.grad for v in trainable], trainable)
+        loss, grads = gradients(self, lambda: keras.ops.mean(keras.ops.square(self(x, training=True) - y)),
+                                trainable)
+        apply(self.optimizer, grads, trainable)
         return {"loss": loss}
 
 
@@ -146,25 +166,22 @@ class GAN(keras.Model):
         return self.discriminator(self.generator(x))
 
     def train_step(self, data):
-        import torch
-
         real, noise, _ = keras.utils.unpack_x_y_sample_weight(data)
         bce = keras.losses.BinaryCrossentropy(from_logits=True)
-        self.zero_grad()
-        fake = self.generator(noise)
-        d_loss = (bce(keras.ops.ones((keras.ops.shape(real)[0], 1)), self.discriminator(real))
-                  + bce(keras.ops.zeros((keras.ops.shape(fake)[0], 1)), self.discriminator(fake)))
-        d_loss.backward()
+
+        def d_loss():
+            fake = self.generator(noise)
+            return (bce(keras.ops.ones((keras.ops.shape(real)[0], 1)), self.discriminator(real))
+                    + bce(keras.ops.zeros((keras.ops.shape(fake)[0], 1)), self.discriminator(fake)))
+
         d_vars = self.discriminator.trainable_weights
-        with torch.no_grad():
-            self.d_optimizer.apply([v.value.grad for v in d_vars], d_vars)
-        self.zero_grad()
-        g_loss = bce(keras.ops.ones((keras.ops.shape(noise)[0], 1)), self.discriminator(self.generator(noise)))
-        g_loss.backward()
+        loss_d, grads = gradients(self, d_loss, d_vars)
+        apply(self.d_optimizer, grads, d_vars)
         g_vars = self.generator.trainable_weights
-        with torch.no_grad():
-            self.g_optimizer.apply([v.value.grad for v in g_vars], g_vars)
-        return {"d_loss": d_loss, "g_loss": g_loss}
+        ones = keras.ops.ones((keras.ops.shape(noise)[0], 1))
+        loss_g, grads = gradients(self, lambda: bce(ones, self.discriminator(self.generator(noise))), g_vars)
+        apply(self.g_optimizer, grads, g_vars)
+        return {"d_loss": loss_d, "g_loss": loss_g}
 
 
 def gan(a):

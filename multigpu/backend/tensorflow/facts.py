@@ -29,6 +29,6 @@ def _versions() -> dict:
     return versions
 
 
-FACTS = Facts("tensorflow", grid=16, scan=False, elastic=True, sums_on_host=True, join_first=True,
+FACTS = Facts("tensorflow", grid=16, scan=False, elastic=True, shard_optimizer=True, sums_on_host=True, join_first=True,
               gpu_count=driver_gpu_count,
               gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions)

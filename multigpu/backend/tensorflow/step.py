@@ -86,6 +86,10 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
 
             self.global_batchnorm = GlobalBatchNorm(self.model, self.comm, self.timing, parallel.ledger)
         self.custom = CustomSteps(self)
+        if parallel.options.shard_optimizer:
+            from multigpu.backend.tensorflow.sharding import ShardedOptimizers
+
+            self.shards = ShardedOptimizers(self.comm, parallel.ledger)
         self.keras_reset_metrics = type(self.model).reset_metrics.__get__(self.model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
@@ -198,7 +202,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             return apply(summed, tuple(gathered)), summed[vector.shape[0] + states.shape[0] + 1 :]
 
         self._local = self._function(local)
-        self._apply = self._function(apply)
+        self._apply = self._function(apply, jit=False if self.shards is not None else None)  # XLA calls no Python
         # XLA cannot call into Python; a run that may lose a rank takes a step again from between the two
         fused = not self.model.run_eagerly and not self.model.jit_compile and not self.recovery.elastic
         self._step = self._function(step) if fused else None
@@ -268,6 +272,9 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         membership.at("forward", self.comm.rank)
         self._fresh = None
+        if self.shards is not None:
+            self.see_optimizers()
+            self.shards.before_step()
         if self.user_train_step is not None:
             if self.recovery.elastic:  # its logs are summed after its updates: what they change is kept
                 self._kept_updates = [(v, v.numpy()) for v in self._state_variables(with_optimizers=True)]

@@ -268,14 +268,7 @@ class TorchSteps(Evaluation, StepsCore):
     def prepare_optimizers(self) -> None:
         if self.shards is not None and self.model.optimizer is not None:
             self._see_optimizers()
-            self.shards.prepare(self.model.optimizer, self.model.trainable_variables)
-
-    def whole_optimizers(self):
-        return self.shards.whole() if self.shards is not None else super().whole_optimizers()
-
-    def gather_optimizers(self) -> None:
-        if self.shards is not None:
-            self.shards.gather()
+        super().prepare_optimizers()
 
     def _see_optimizers(self) -> None:
         """Each optimizer, the first time it is seen: its ``apply`` sums for a step of the model's own (the
