@@ -60,6 +60,8 @@ CONFIGS = {
     "single": {"mode": "single", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
     "mg1": {"mode": "solo", "devices": ["cpu:0"], "cores": [0], "breakdown": True},
     "mg2": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True},
+    "mg2-parts": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True,
+                  "shard_optimizer": True},
     "mg2-keras": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True,
                   "env": {"MULTIGPU_REPLAY": "0"}},
     "ddp": {"mode": "ddp", "devices": ["cpu:0", "cpu:1"]},

@@ -114,13 +114,14 @@ def parallelize(
         replay: on torch, ``False`` runs Keras's own forward pass at every
             step instead of replaying its recorded operations (the same
             numbers either way: for measuring what the replay buys).
-        shard_optimizer: on torch, each device holds the optimizer state
-            (Adam's moments, momenta) of a part of the weights and alone
-            updates them (ZeRO stage 1): parts follow each device's memory
-            (``cpu:0/2GiB``, a GPU's own), equal where it is unknown.  The
-            weights stay the same on every device after every step; saving
-            writes the whole state, as one device would.  Off by default
-            (see the README's "The optimizer state in parts" for what it
+        shard_optimizer: each device holds the optimizer state (Adam's
+            moments, momenta) of a part of the weights and alone updates
+            them (ZeRO stage 1): parts follow each device's memory
+            (``cpu:0/2GiB``, a GPU's own on torch), equal where it is
+            unknown.  The weights stay the same on every device after every
+            step; saving writes the whole state, as one device would.  On
+            JAX an optimizer with an EMA is refused.  Off by default (see
+            the memory guide's "The optimizer state in parts" for what it
             measured).  Not with ``min_devices`` (a lost device's part would
             be lost).
 

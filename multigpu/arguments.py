@@ -37,9 +37,9 @@ def check_flag(name: str, value, allow_none: bool = False) -> None:
 def check_sharding(shard_optimizer, min_devices, facts) -> None:
     check_flag("shard_optimizer", shard_optimizer)
     if shard_optimizer and not facts.shard_optimizer:
-        raise ValueError(f"`shard_optimizer=True` runs on the torch backend; on the {facts.name} backend every "
-                         "device holds the whole optimizer state. Received: shard_optimizer=True with "
-                         f"KERAS_BACKEND={facts.name}")
+        raise ValueError(f"`shard_optimizer=True` runs on the torch, TensorFlow and JAX backends; on the "
+                         f"{facts.name} backend every device holds the whole optimizer state. Received: "
+                         f"shard_optimizer=True with KERAS_BACKEND={facts.name}")
     if shard_optimizer and min_devices is not None:
         raise ValueError("`shard_optimizer=True` cannot go with `min_devices`: the optimizer state of a lost "
                          "device's part of the weights would be lost with it. Received: shard_optimizer=True, "

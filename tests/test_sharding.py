@@ -49,8 +49,8 @@ def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(m
     with pytest.raises(TypeError, match=r"must be True or False. Received: shard_optimizer='yes'"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer="yes")
     facts = backend.facts()
-    monkeypatch.setattr(backend, "facts", lambda: type(facts)("jax"))
-    with pytest.raises(ValueError, match=r"runs on the torch backend.*KERAS_BACKEND=jax"):
+    monkeypatch.setattr(backend, "facts", lambda: type(facts)("numpy"))
+    with pytest.raises(ValueError, match=r"runs on the torch, TensorFlow and JAX backends.*KERAS_BACKEND=numpy"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer=True)
 
 
@@ -82,7 +82,8 @@ def plain_folder(tmp_path_factory):
     def folder(backend):
         if backend not in folders:
             folders[backend] = tmp_path_factory.mktemp(f"sharded-plain-{backend}")
-            _run([sys.executable, str(SCRIPTS / "sharded.py"), PLAIN_MODES, str(folders[backend] / "plain"),
+            plain_modes = PLAIN_MODES.replace(",gan", "") if backend == "jax" else PLAIN_MODES
+            _run([sys.executable, str(SCRIPTS / "sharded.py"), plain_modes, str(folders[backend] / "plain"),
                   "--plain"], folders[backend], extra={"KERAS_BACKEND": backend})
         return folders[backend]
 
@@ -94,12 +95,16 @@ def plain_folder(tmp_path_factory):
 @pytest.mark.parametrize(("backend", "devices", "ratios", "transport"),
                          [("torch", "cpu:0,cpu:1", "3,1", "auto"), ("torch", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo"),
                           ("tensorflow", "cpu:0,cpu:1", "3,1", "auto"),
-                          ("tensorflow", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo")])
+                          ("tensorflow", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo"),
+                          ("jax", "cpu:0,cpu:1", "3,1", "auto"), ("jax", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo")])
 def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend, devices, ratios, transport):
     """Over shared memory the new weights are written straight into the result (torch) or summed (TensorFlow,
     inside its step); over gloo (between machines, and a GPU beside a CPU) they are summed with zeros where a
-    rank does not own."""
+    rank does not own.  On JAX (XLA's collectives) the new weights are summed after the compiled update; an
+    optimizer with an EMA is refused there, and a GAN's second optimizer has no place in Keras's JAX state."""
     modes = f"{PLAIN_MODES},checkpoint" if transport == "auto" else "features,custom,gan"
+    if backend == "jax":
+        modes = modes.replace(",gan", "")
     n = len(devices.split(","))
     extra = {"MULTIGPU_TRANSPORT": transport, "KERAS_BACKEND": backend}
     # the parallel run first: the plain checkpoint run then loads its file
@@ -122,6 +127,9 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
     plain, ranks = pair("features")
     names = [k.split(".")[0] for k in plain if k.endswith(".weights")]
     assert len(names) == 11
+    if backend == "jax":
+        assert all("cannot take an optimizer with `use_ema=True`" in str(r["ema.refused"]) for r in ranks)
+        names.remove("ema")
     for name in names:
         tolerance = {"mixed_float16": 1e-3, "mixed_bfloat16": 1e-2}.get(name, 1e-4)
         r0 = ranks[0]
@@ -138,7 +146,7 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
         assert sum(held) >= int(plain[f"{name}.held"]), (name, held)  # every part on some rank
     assert "LossScaleOptimizer" in str(ranks[0]["mixed_float16.optimizer"])
 
-    for mode in ("custom", "gan"):
+    for mode in ("custom", "gan") if backend != "jax" else ("custom",):
         plain, ranks = pair(mode)
         assert rel(plain["weights"], ranks[0]["weights"]) < 1e-4, mode  # Adam
         for other in ranks[1:]:

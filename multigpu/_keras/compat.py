@@ -271,7 +271,8 @@ def optimizer_slot_lists(optimizer) -> list[list]:
     for name, value in vars(optimizer).items():
         if name in _NOT_SLOTS or not isinstance(value, list) or len(value) != len(built) or not built:
             continue
-        if all(s is None or (isinstance(s, keras.Variable) and tuple(s.shape) == tuple(v.shape))
+        # a state variable of another rank's part is of no elements on JAX (its shape follows its value)
+        if all(s is None or (isinstance(s, keras.Variable) and tuple(s.shape) in (tuple(v.shape), (0,)))
                for s, v in zip(value, built)) and any(s is not None for s in value):
             out.append(value)
     return out
@@ -326,6 +327,14 @@ def set_variable_storage(variable, storage) -> None:
     """Gives a Keras variable ``storage`` (a ``torch.nn.Parameter``, a ``tf.Variable``) in place of its own, of
     another size where it may be (an empty one lets go of its memory; the variable's Keras ``shape`` stays)."""
     variable._value = storage
+
+
+@_uses("Variable", "_value", "_shape", "_ndim", backends=("jax",))
+def set_jax_variable_value(variable, value) -> None:
+    """Gives a JAX Keras variable ``value`` of another shape (no elements: a part not held), its shape with it."""
+    variable._value = value
+    variable._shape = tuple(value.shape)
+    variable._ndim = len(value.shape)
 
 
 @_uses("torch optimizers", "_parallel_update_step", backends=("torch",))

@@ -126,8 +126,9 @@ class ShardedOptimizers:
         """A value of no elements for a state variable of ``reference`` that this rank does not own."""
         raise NotImplementedError
 
-    def resize(self, slot, whole: bool) -> None:
-        """Gives ``slot`` room for its whole value (zeros), or lets go of it (no elements); its Keras shape stays."""
+    def resize(self, slot, variable, whole: bool) -> None:
+        """Gives ``slot`` (the state of model variable ``variable``) room for its whole value (zeros), or lets go
+        of it (no elements)."""
         raise NotImplementedError
 
     def sum_owned(self, pairs: list[tuple[object, object]], shard: Shard, tag: int, what: str) -> None:
@@ -215,13 +216,13 @@ class ShardedOptimizers:
     def _drop(self, shard: Shard) -> None:
         for slot, variable in shard.slots():
             if id(variable) not in shard.mine:
-                self.resize(slot, whole=False)
+                self.resize(slot, variable, whole=False)
         shard.dropped = True
 
     def _zeros(self, shard: Shard) -> None:
         for slot, variable in shard.slots():
             if id(variable) not in shard.mine and self.size(slot) != self.size(variable):
-                self.resize(slot, whole=True)
+                self.resize(slot, variable, whole=True)
         shard.dropped = False
 
     # ------------------------------------------------------------ the update
@@ -238,9 +239,13 @@ class ShardedOptimizers:
             if owned:
                 keras_apply([grads[i] for i in owned], [variables[i] for i in owned])
         if update:  # traced: every step (the weights a step without an update shares are unchanged)
-            self.sum_owned([(v, v) for v in variables], shard, 7, "the updated weights")
+            self.updated(shard, variables)
         if opt.use_ema:
             _compat.update_ema(opt)
+
+    def updated(self, shard: Shard, variables: list) -> None:
+        """The new weights of the owned ``variables`` on every rank (a collective)."""
+        self.sum_owned([(v, v) for v in variables], shard, 7, "the updated weights")
 
     # ------------------------------------------------------------ whole state
     @contextlib.contextmanager

@@ -57,7 +57,8 @@ def _fit_run(cfg: dict, spec) -> None:
     model = spec.build(float(cfg.get("width", 1.0)))
     parallel = None
     if mode in ("multigpu", "solo"):
-        kwargs = {"compression": cfg.get("compression"), "sync_batchnorm": bool(cfg.get("sync_batchnorm"))}
+        kwargs = {"compression": cfg.get("compression"), "sync_batchnorm": bool(cfg.get("sync_batchnorm")),
+                  "shard_optimizer": bool(cfg.get("shard_optimizer"))}
         if cfg.get("ratios") == "auto":
             kwargs.update(recalibrate=True, profile=str(Path(cfg["out"]).with_suffix(".profile.json")))
         model = multigpu.parallelize(model, devices=cfg["devices"], ratios=cfg.get("ratios"), **kwargs)

@@ -21,9 +21,11 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from multigpu._keras.compat import optimizer_variables as optimizer_variables_of
 from multigpu._keras.model_parts import optimizers_of
 from multigpu.backend.jax.packing import flat, metric_results, one_row_of_zeros, split
 from multigpu.backend.logs import other_scalars, read_summed
+from multigpu.backend.sharding import holder
 
 __all__ = ["EagerSteps"]
 
@@ -37,6 +39,7 @@ class EagerSteps:
     """
 
     def __init__(self, steps) -> None:
+        self.steps = steps
         self.model = steps.model
         self.comm = steps.comm
         self.timing = steps.timing
@@ -94,9 +97,9 @@ class EagerSteps:
         gradients summed over ranks while a step of the model's own runs, and is the optimizer's own otherwise."""
         for optimizer in optimizers_of(self.model):
             if not self.ledger.owns(optimizer, "stateless_apply"):
-                self.ledger.set(optimizer, "stateless_apply", self._summed_apply(optimizer.stateless_apply))
+                self.ledger.set(optimizer, "stateless_apply", self._summed_apply(optimizer, optimizer.stateless_apply))
 
-    def _summed_apply(self, original):
+    def _summed_apply(self, optimizer, original):
         def stateless_apply(optimizer_variables, grads, trainable_variables):
             weight = self._weight
             if weight is None:
@@ -108,7 +111,12 @@ class EagerSteps:
             vector = jax.block_until_ready(vector if self.half is None else vector.astype(self.half))
             with self.timing.waiting():
                 summed = self.comm.reduce(vector, "summing gradients").astype(np.float32, copy=False)
-            return original(optimizer_variables, split(jnp.asarray(summed), list(grads)), trainable_variables)
+            trainable, state = original(optimizer_variables, split(jnp.asarray(summed), list(grads)),
+                                        trainable_variables)
+            shards = self.steps.shards
+            if shards is not None:  # an optimizer in parts: the owners' new weights on every rank
+                trainable = shards.share(optimizer, optimizer_variables_of(holder(optimizer)), trainable)
+            return trainable, state
 
         return stateless_apply
 

@@ -21,5 +21,6 @@ def _versions() -> dict:
     return {name: md.version(name) for name in ("jax", "jaxlib")}
 
 
-FACTS = Facts("jax", grid=16, scan=False, join_first=True, takes_torch_tensors=False, gpu_count=driver_gpu_count,
+FACTS = Facts("jax", grid=16, scan=False, join_first=True, shard_optimizer=True, takes_torch_tensors=False,
+              gpu_count=driver_gpu_count,
               gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions)

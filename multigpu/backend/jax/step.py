@@ -74,6 +74,10 @@ class JaxSteps(StepsCore):
             self.exchange = StatisticsExchange(coordination_client(), self.comm.rank, self.comm.world_size,
                                                parallel.runtime.timeout)
             install_global_moments(model, self.exchange, parallel.ledger)
+        if parallel.options.shard_optimizer:
+            from multigpu.backend.jax.sharding import ShardedOptimizers
+
+            self.shards = ShardedOptimizers(self.comm, parallel.ledger)
         self.eager = EagerSteps(self)  # a train_step or test_step of the model's own
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
@@ -127,7 +131,7 @@ class JaxSteps(StepsCore):
     # ---------------------------------------------------------- training
     def _build_train(self) -> None:
         model = self.model
-        trainable_refs = list(model.trainable_variables)
+        trainable_refs = self._trainable_refs = list(model.trainable_variables)
         metric_refs = list(model.metrics_variables)
         n_grads = sum(int(np.prod(v.shape)) for v in trainable_refs)
         n_states = sum(int(np.prod(v.shape)) for v in metric_refs)
@@ -186,6 +190,9 @@ class JaxSteps(StepsCore):
     def _train_batch(self, state, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         plan = self.balancer.planner.take(batch_rows(x))
+        if self.shards is not None:  # an optimizer in parts: the state of this rank's part only
+            self.see_optimizers()
+            state = (state[0], state[1], self.shards.before_step(self.model.optimizer, state[2]), state[3])
         if not self.balancer.calibrated:
             self._calibrate_on(state, x, y, sample_weight, plan)
         if self.user_train_step is not None:
@@ -221,6 +228,8 @@ class JaxSteps(StepsCore):
         if not self._applied:  # the first step compiles the update too: not a measurement of the shares
             self._applied = self._compiled = True
         trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
+        if self.shards is not None:  # the owners' new weights on every rank
+            trainable = self.shards.share(self.model.optimizer, self._trainable_refs, trainable)
         self._record(summed[self._n_grads + self._n_states + 1 :])
         self.timing.end(plan.local)
         if self._compiled:

@@ -49,7 +49,7 @@ class ShardedOptimizers(_Neutral):
     def empty(self, reference):
         return tf.zeros([0], dtype=reference.dtype)
 
-    def resize(self, slot, whole: bool) -> None:
+    def resize(self, slot, variable, whole: bool) -> None:
         shape = tuple(slot.shape) if whole else (0,)
         _compat.set_variable_storage(slot, tf.Variable(tf.zeros(shape, dtype=slot.dtype), trainable=False,
                                                        name=slot.name))

@@ -54,7 +54,7 @@ class ShardedOptimizers(_Neutral):
     def empty(self, reference):
         return torch.empty(0, dtype=getattr(reference.value, "dtype", torch.float32))
 
-    def resize(self, slot, whole: bool) -> None:
+    def resize(self, slot, variable, whole: bool) -> None:
         value = slot.value
         if whole:
             tensor = torch.zeros(tuple(slot.shape), dtype=value.dtype, device=value.device)
