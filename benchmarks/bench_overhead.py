@@ -62,6 +62,8 @@ CONFIGS = {
     "mg2": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True},
     "mg2-parts": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True,
                   "shard_optimizer": True},
+    "mg2-whole": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True,
+                  "shard_optimizer": False},
     "mg2-keras": {"mode": "multigpu", "devices": ["cpu:0", "cpu:1"], "ratios": [1, 1], "breakdown": True,
                   "env": {"MULTIGPU_REPLAY": "0"}},
     "ddp": {"mode": "ddp", "devices": ["cpu:0", "cpu:1"]},

@@ -9,8 +9,22 @@ from multigpu import env
 from multigpu.planning.shares import RatioSpec, validate_ratios
 from multigpu.runtime import runtime as _runtime
 
-__all__ = ["TRANSPORTS", "as_given", "bucket_mb", "check_caps", "check_flag", "check_model", "check_sharding",
-           "devices_differ", "megabytes", "min_devices", "ratios_from_profile", "ratios_text", "switch"]
+__all__ = [
+    "TRANSPORTS",
+    "as_given",
+    "bucket_mb",
+    "check_caps",
+    "check_flag",
+    "check_model",
+    "check_sharding",
+    "devices_differ",
+    "megabytes",
+    "min_devices",
+    "ratios_from_profile",
+    "ratios_text",
+    "shard_by_default",
+    "switch",
+]
 
 TRANSPORTS = ("auto", "shm", "gloo")
 
@@ -35,7 +49,7 @@ def check_flag(name: str, value, allow_none: bool = False) -> None:
 
 
 def check_sharding(shard_optimizer, min_devices, facts) -> None:
-    check_flag("shard_optimizer", shard_optimizer)
+    check_flag("shard_optimizer", shard_optimizer, allow_none=True)
     if shard_optimizer and not facts.shard_optimizer:
         raise ValueError(f"`shard_optimizer=True` runs on the torch, TensorFlow and JAX backends; on the "
                          f"{facts.name} backend every device holds the whole optimizer state. Received: "
@@ -44,6 +58,14 @@ def check_sharding(shard_optimizer, min_devices, facts) -> None:
         raise ValueError("`shard_optimizer=True` cannot go with `min_devices`: the optimizer state of a lost "
                          "device's part of the weights would be lost with it. Received: shard_optimizer=True, "
                          f"min_devices={min_devices}")
+
+
+def shard_by_default(transport: str, shrinks: bool, facts) -> bool:
+    """``shard_optimizer=None``: the optimizer state in parts where it was measured faster and smaller, ranks of
+    one machine summing through shared memory (``benchmarks/optimizer_sharding/``), and not where a lost device
+    would take its part along (``min_devices``) or where the new weights' collective doubles the bytes on a
+    link it was not measured on (gloo between machines, NCCL, JAX's XLA sums)."""
+    return bool(facts.shard_optimizer) and transport == "shm" and not shrinks
 
 
 def check_caps(max_batch, n: int):

@@ -52,7 +52,7 @@ def pss_kb(pid: int) -> int:
 
 def peak_pss(command: list[str], interval: float = 0.1) -> tuple[float, float, int]:
     """Runs ``command``; returns (peak PSS of its process tree in MB, seconds, exit code)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "torch"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": os.environ.get("KERAS_BACKEND", "torch")}
     began = time.time()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak = 0

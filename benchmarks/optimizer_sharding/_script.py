@@ -75,7 +75,8 @@ def main() -> None:
     rank = multigpu.rank()
     out = a.out if rank == 0 else f"{a.out}.rank{rank}"
     with open(out, "w") as f:
-        json.dump({"samples_per_second": a.batch * a.steps / (ended - began), "peak_rss_mb": peak_rss_mb(),
+        json.dump({"backend": keras.backend.backend(),
+                   "samples_per_second": a.batch * a.steps / (ended - began), "peak_rss_mb": peak_rss_mb(),
                    "weights": int(sum(np.prod(v.shape) for v in model.trainable_variables))}, f)
 
 

@@ -41,7 +41,7 @@ def run(devices: str, ratios: str, shard: bool) -> dict:
             with open(f"{out}.rank{r}") as f:
                 ranks.append(json.load(f)["peak_rss_mb"])
     return {"tree_pss_mb": peak, "rank_rss_mb": ranks, "samples_per_second": result["samples_per_second"],
-            "seconds": seconds, "weights": result["weights"]}
+            "seconds": seconds, "weights": result["weights"], "backend": result["backend"]}
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ def _fit_run(cfg: dict, spec) -> None:
     parallel = None
     if mode in ("multigpu", "solo"):
         kwargs = {"compression": cfg.get("compression"), "sync_batchnorm": bool(cfg.get("sync_batchnorm")),
-                  "shard_optimizer": bool(cfg.get("shard_optimizer"))}
+                  "shard_optimizer": cfg.get("shard_optimizer")}  # None: parallelize's default
         if cfg.get("ratios") == "auto":
             kwargs.update(recalibrate=True, profile=str(Path(cfg["out"]).with_suffix(".profile.json")))
         model = multigpu.parallelize(model, devices=cfg["devices"], ratios=cfg.get("ratios"), **kwargs)

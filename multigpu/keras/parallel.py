@@ -46,6 +46,7 @@ class Options:
     overlap: bool | None = None  # torch: sums during the backward pass (None: chosen by the devices and links)
     bucket_mb: float | None = None  # torch: the overlapped sums' bucket size in MiB (None: 4)
     shard_optimizer: bool = False  # each rank holds and updates the optimizer state of a part of the weights
+    # (resolved by parallelize: None becomes what the transport chose)
     replay: bool | None = None  # torch: False keeps Keras's own forward pass at every step
 
 

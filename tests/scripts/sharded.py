@@ -13,7 +13,8 @@ Modes:
              training, and the whole optimizer state after ``multigpu.unparallelize``
   custom     a ``train_step`` of the model's own (backward, ``optimizer.apply``) with Adam
   gan        a GAN whose ``train_step`` calls two optimizers (Adam, SGD with momentum), by ``train_on_batch``
-  default    no ``shard_optimizer`` given (equal shares): whether the run holds the state in parts (it does not)
+  default    no ``shard_optimizer`` given (equal shares): whether the run holds the state in parts (it does where
+             the ranks sum through shared memory)
   checkpoint one epoch of Adam with a ``ModelCheckpoint`` (``.weights.h5``), then ``model.save`` (a
              ``.keras`` file); the parallel run then trains another epoch, loads the ``.weights.h5`` into
              its sharded optimizer and trains the second epoch again; the plain run trains two epochs,

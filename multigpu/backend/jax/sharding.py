@@ -67,26 +67,28 @@ class ShardedOptimizers(_Neutral):
     # ------------------------------------------------------------ after the compiled update
     def share(self, optimizer, variables, values: list) -> list:
         """``values`` (the new values of ``variables``, which ``optimizer`` updates) with every rank's owned
-        values in place of the others' (a collective)."""
+        values in place of the others' (an all-gather of each rank's owned values, per dtype)."""
         shard = self._shards.get(id(holder(optimizer)))
         if shard is None:
             return list(values)
-        mine = [id(v) in shard.mine for v in variables]
+        owner = {id(v): o for v, o in zip(shard.variables, shard.owner)}
+        ranks = [owner.get(id(v), self.comm.rank) for v in variables]
         out = list(values)
         by_dtype: dict = {}
         for i, value in enumerate(values):
             by_dtype.setdefault(jnp.dtype(value.dtype), []).append(i)
         for dtype, indices in by_dtype.items():
-            vector = jnp.concatenate([jnp.zeros(0, dtype)] + [
-                jnp.reshape(values[i], (-1,)) if mine[i] else jnp.zeros(int(np.prod(values[i].shape)), dtype)
-                for i in indices])
-            summed = self.comm.reduce(vector, "sharing the updated weights")
-            offset = 0
-            for i in indices:
-                n = int(np.prod(values[i].shape))
-                if not mine[i]:
-                    out[i] = jnp.asarray(summed[offset : offset + n]).reshape(values[i].shape)
-                offset += n
+            sizes = {i: int(np.prod(values[i].shape)) for i in indices}
+            parts = [sum(sizes[i] for i in indices if ranks[i] == r) for r in range(self.comm.world_size)]
+            mine = jnp.concatenate([jnp.zeros(0, dtype)] + [jnp.reshape(values[i], (-1,)) for i in indices
+                                                             if ranks[i] == self.comm.rank])
+            rows = self.comm.gather_rows(mine, max(parts), "sharing the updated weights")
+            taken = [0] * self.comm.world_size
+            for i in indices:  # each rank's row holds its owned values in the variables' order
+                r, n = ranks[i], sizes[i]
+                if r != self.comm.rank:
+                    out[i] = jnp.asarray(rows[r, taken[r] : taken[r] + n]).reshape(values[i].shape)
+                taken[r] += n
         return out
 
     def before_step(self, optimizer=None, values=None):

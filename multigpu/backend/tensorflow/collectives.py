@@ -115,6 +115,21 @@ class Comm:
             return summed.view(torch.int16).numpy().view(vector.dtype)
         return summed.numpy()
 
+    def gather_parts(self, mine: Sequence[np.ndarray], where: Sequence[int], n: int, what: str) -> np.ndarray:
+        """A float32 vector of ``n`` values whose every part one rank writes: this rank's arrays ``mine``, each
+        at its offset in ``where``, the others' from them (on shared memory each rank writes straight into the
+        result; elsewhere a sum with zeros).  Returns the whole vector (valid until the next-but-one call)."""
+        buf = self.engine.buffer(n, torch.float32, disjoint=True)
+        flat = buf.numpy()
+        for start, values in zip(where, mine):
+            flat[start : start + values.size] = values.reshape(-1)
+        try:
+            summed = self.engine.reduce(buf, what=what, describe=lambda: f"{what} ({n} float32 values)")
+        except PeerLostError as lost:
+            self._lost = lost
+            raise
+        return summed.numpy()
+
     def concatenate(self, arrays: Sequence[np.ndarray], what: str = "gathering sparse gradients") -> list:
         """Every rank's arrays joined along their first axis, in rank order (each array on its own).
 
