@@ -141,11 +141,15 @@ def train_alone(a: argparse.Namespace) -> None:
 
 
 class Throughput(keras.callbacks.Callback):
-    """Samples/s of the training steps of the last epoch (validation and the epoch's first steps left out)."""
+    """Samples/s of the training steps: at the median step of the last ``epochs`` epochs (the headline: a
+    slowdown of the machine over fewer than half of those steps does not move it), and end to end over the
+    last epoch (validation and each epoch's first steps, calibration and warm-up, left out of both)."""
 
-    def __init__(self, batch: int, skip: int = 3) -> None:
+    def __init__(self, batch: int, skip: int = 3, epochs: int = 3) -> None:
         super().__init__()
-        self.batch, self.skip, self.times = batch, skip, []
+        self.batch, self.skip, self.epochs = batch, skip, epochs
+        self.times: list[float] = []
+        self.durations: list[np.ndarray] = []  # each epoch's step durations
 
     def on_epoch_begin(self, epoch, logs=None):
         self.times = []
@@ -153,8 +157,17 @@ class Throughput(keras.callbacks.Callback):
     def on_train_batch_end(self, step, logs=None):
         self.times.append(time.perf_counter())
 
+    def on_epoch_end(self, epoch, logs=None):
+        self.durations.append(np.diff(self.times[self.skip :]))
+
     def rate(self) -> float:
-        t = self.times[self.skip:]  # after calibration and warm-up
+        """At the median step of the last epochs."""
+        steps = np.concatenate([np.zeros(0), *self.durations[-self.epochs :]])
+        return self.batch / float(np.median(steps)) if steps.size else float("nan")
+
+    def wall_rate(self) -> float:
+        """End to end over the last epoch."""
+        t = self.times[self.skip :]
         return self.batch * (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
 
 
@@ -204,11 +217,14 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def report(state, batch: int, total: float, one: float | None, alone_runs: tuple[float, ...] = ()) -> None:
+def report(state, batch: int, total: float, one: float | None, alone_runs: tuple[float, ...] = (),
+           wall: float | None = None) -> None:
     """Shares, each device's speed in the run beside alone, the total and the speedup, with what it measured.
 
-    ``alone_runs``: the one-device rates measured before and after training, whose mean is ``one``: their
-    spread is printed beside the speedup, so a machine whose speed drifts during the run shows it.
+    ``total`` is the run's rate at its median step (over its last three epochs), ``wall`` its rate end to end
+    over the last epoch; ``alone_runs``: the one-device rates (each at its median step) measured before and
+    after training, whose mean is ``one``: their spread is printed beside the speedup, so a machine whose speed
+    drifts during the run shows it.
     """
     last = (state.last_report or {}).get("devices") or []
     shares = state.shares(batch)
@@ -219,7 +235,8 @@ def report(state, batch: int, total: float, one: float | None, alone_runs: tuple
         alone = f"{one * dev.speed:.0f}" if one else "-"
         print(f"{dev.label:<12}{s / batch:>7.0%}{s:>7}{row.get('compute_samples_per_second', 0):>9.0f}/s"
               f"{alone:>7}/s{row.get('wait', 0) / step:>9.0%}")
-    print(f"{'total':<12}{'100%':>7}{batch:>7}{total:>9.0f}/s  (training steps of the last epoch, end to end)")
+    print(f"{'total':<12}{'100%':>7}{batch:>7}{total:>9.0f}/s  (the median training step of the last three epochs"
+          + (f"; {wall:.0f}/s end to end over the last epoch)" if wall else ")"))
     print("(computing: samples/s while computing in this run; alone: one full-speed device alone, the mean of "
           "its runs before and after training, times the device's speed factor)")
     if not one:
@@ -238,7 +255,8 @@ def report(state, batch: int, total: float, one: float | None, alone_runs: tuple
     if len(alone_runs) > 1:
         low, high = total / max(alone_runs), total / min(alone_runs)
         spread = (f" (one device alone ran {', '.join(f'{r:.0f}' for r in alone_runs)} samples/s before and after "
-                  f"training: {low:.2f}x to {high:.2f}x by either alone)")
+                  f"training: {low:.2f}x to {high:.2f}x by either alone"
+                  + (f"; {wall / one:.2f}x end to end over the last epoch" if wall else "") + ")")
     if speedup >= 1.0:
         print(f"speedup: {speedup:.2f}x against one full-speed device alone ({one:.0f} samples/s, same model, data "
               f"and batch){spread}; the speed factors add up to {ideal:.2f}: {where}.")
@@ -287,7 +305,7 @@ def main() -> int:
     if one:  # measured again now, on the same core, while the other ranks wait: a drift of the machine cancels
         alone_runs = (one, one_device_rate(a))
         one = sum(alone_runs) / len(alone_runs)
-    report(state, a.batch_size, total, one, alone_runs)
+    report(state, a.batch_size, total, one, alone_runs, meter.wall_rate())
     print(f"test accuracy: {acc:.4f} (loss {loss:.4f})")
     last = (state.last_report or {}).get("devices") or [{} for _ in state.devices]
     computing = [row.get("compute_samples_per_second", 0.0) for row in last]
