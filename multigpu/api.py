@@ -124,8 +124,9 @@ def parallelize(
             ``min_devices`` (a lost device's part would be lost).  Default
             (``None``): on where it was measured faster and smaller, the
             ranks of one machine summing through shared memory (torch and
-            TensorFlow CPU devices: 1.08x to 1.12x the samples/s and about
-            300 MB less per copy of Adam's moments, in the memory guide);
+            TensorFlow CPU devices: 0.98x to 1.15x the samples/s and 280 to
+            727 MB less on a model whose Adam moments are 235 MB, in the
+            memory guide);
             off with ``min_devices``, between machines, on GPUs and on JAX,
             where the new weights' collective doubles the bytes on a link.
 

@@ -99,6 +99,7 @@ class StepsCore:
         self.user_test_step = own_method(cls, "test_step")
         self._initialized = False
         self.shards = None  # the optimizers in parts (``shard_optimizer=True``), where the backend builds them
+        self._said_parts = False
 
     # ---------------------------------------------------------- the contract
     def methods(self) -> dict:
@@ -115,6 +116,10 @@ class StepsCore:
         if self.shards is not None and self.model.optimizer is not None:
             self.see_optimizers()
             self.shards.prepare(self.model.optimizer, self.model.trainable_variables)
+            if not self._said_parts:
+                self._said_parts = True
+                self.balancer.log("the optimizer state in parts: each device holds and updates that of a part of "
+                                  "the weights, by its memory (shard_optimizer=False keeps a whole copy on each)")
 
     def see_optimizers(self) -> None:
         """Takes in every optimizer of the model (once each): in parts, its update runs on the owned variables."""
