@@ -47,7 +47,7 @@ import types
 from collections.abc import Iterator, Sequence
 
 from multigpu._keras import compat as _compat
-from multigpu.planning.partition import owners, parts
+from multigpu.planning.partition import memory_weights, owners, parts
 
 __all__ = ["Shard", "ShardedOptimizers", "check_optimizer", "holder"]
 
@@ -103,21 +103,26 @@ class ShardedOptimizers:
     Args:
         comm: the run's collectives.
         ledger: the model's ledger (notes what is set on the optimizers).
-        weights: each rank's share of the state (from the devices' memory; equal where unknown).
+        weights: each rank's share of the state (default: the devices' memory; equal where one is unknown).
     """
 
     #: whether the update runs inside a traced function, where a Python decision on the step count cannot be made
     traced = False
 
-    def __init__(self, comm, ledger, weights: Sequence[float]) -> None:
+    def __init__(self, comm, ledger, weights: Sequence[float] | None = None) -> None:
         self.comm = comm
         self.ledger = ledger
-        self.weights = list(weights)
+        self.weights = list(weights) if weights is not None else memory_weights(
+            self.device_memory(comm.runtime.devices))
         self._shards: dict[int, Shard] = {}  # by id of the optimizer that holds the state
 
     holder = staticmethod(holder)
 
     # ------------------------------------------------------------ the backend's part
+    def device_memory(self, devices) -> list[int | None]:
+        """Each device's memory in bytes where known: a CPU device's given size (``cpu:0/8GiB``)."""
+        return [None if d.memory is None else int(d.memory) for d in devices]
+
     def size(self, variable) -> int:
         """How many values ``variable`` holds in memory here."""
         raise NotImplementedError

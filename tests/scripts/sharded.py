@@ -6,9 +6,10 @@
 MODES is a comma-separated list (or "all"); mode M writes OUT-M.npz (rank R > 0: OUT-M.npz.rankR.npz).
 
 Modes:
-  features   one small model per optimizer feature, fit 2 epochs on 70 rows at batch 16 (a ragged last
-             step): Adam, SGD with momentum, RMSprop, clipnorm, global_clipnorm, clipvalue, gradient
-             accumulation, EMA, AdamW with a schedule, mixed_float16 (LossScaleOptimizer), mixed_bfloat16;
+  features   one small model per optimizer feature, fit one epoch on 70 rows
+             at batch 16 (five steps, a ragged last one): Adam, SGD with momentum, RMSprop, clipnorm,
+             global_clipnorm, clipvalue, gradient accumulation, EMA, AdamW with a schedule, mixed_float16
+             (LossScaleOptimizer), mixed_bfloat16;
              each writes its weights, losses, how many optimizer-state values this rank held after
              training, and the whole optimizer state after ``multigpu.unparallelize``
   custom     a ``train_step`` of the model's own (backward, ``optimizer.apply``) with Adam
@@ -106,12 +107,12 @@ def features(a):
         model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
         if name == "ema" and keras.backend.backend() == "jax" and not a.plain:
             try:  # refused on JAX, on every rank, before any step
-                model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+                model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
             except ValueError as exc:
                 out["ema.refused"] = [str(exc)]
             multigpu.unparallelize(model)
             continue
-        hist = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        hist = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         out[f"{name}.weights"] = flat(model.get_weights())
         out[f"{name}.loss"] = np.asarray(hist.history["loss"])
         out[f"{name}.held"] = np.asarray(held(model.optimizer))

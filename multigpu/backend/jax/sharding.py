@@ -22,25 +22,14 @@ import numpy as np
 from multigpu._keras import compat as _compat
 from multigpu.backend.sharding import Shard, holder
 from multigpu.backend.sharding import ShardedOptimizers as _Neutral
-from multigpu.planning.partition import memory_weights
 
 __all__ = ["ShardedOptimizers"]
 
 
 class ShardedOptimizers(_Neutral):
-    """The optimizers in parts of one parallel model on JAX.
-
-    Args:
-        comm: the run's collectives.
-        ledger: the model's ledger.
-        weights: each rank's share of the state (default: the devices' memory where known; equal elsewhere).
-    """
+    """The optimizers in parts of one parallel model on JAX (arguments: the neutral class's)."""
 
     traced = True
-
-    def __init__(self, comm, ledger, weights=None) -> None:
-        memory = [None if d.memory is None else int(d.memory) for d in comm.runtime.devices]
-        super().__init__(comm, ledger, weights if weights is not None else memory_weights(memory))
 
     def see(self, optimizer) -> None:
         inner = holder(optimizer)

@@ -25,25 +25,14 @@ import tensorflow as tf
 from multigpu._keras import compat as _compat
 from multigpu.backend.sharding import Shard
 from multigpu.backend.sharding import ShardedOptimizers as _Neutral
-from multigpu.planning.partition import memory_weights
 
 __all__ = ["ShardedOptimizers"]
 
 
 class ShardedOptimizers(_Neutral):
-    """The optimizers in parts of one parallel model on TensorFlow.
-
-    Args:
-        comm: the run's collectives.
-        ledger: the model's ledger.
-        weights: each rank's share of the state (default: the devices' given memory; equal where unknown).
-    """
+    """The optimizers in parts of one parallel model on TensorFlow (arguments: the neutral class's)."""
 
     traced = True
-
-    def __init__(self, comm, ledger, weights=None) -> None:
-        memory = [None if d.memory is None else int(d.memory) for d in comm.runtime.devices]
-        super().__init__(comm, ledger, weights if weights is not None else memory_weights(memory))
 
     def size(self, variable) -> int:
         return int(np.prod(variable.value.shape))

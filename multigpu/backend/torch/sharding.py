@@ -17,7 +17,6 @@ import torch
 from multigpu._keras import compat as _compat
 from multigpu.backend.sharding import Shard
 from multigpu.backend.sharding import ShardedOptimizers as _Neutral
-from multigpu.planning.partition import memory_weights
 
 __all__ = ["ShardedOptimizers", "device_memory"]
 
@@ -36,17 +35,11 @@ def device_memory(devices) -> list[int | None]:
 
 
 class ShardedOptimizers(_Neutral):
-    """The optimizers in parts of one parallel model on torch.
+    """The optimizers in parts of one parallel model on torch (arguments: the neutral class's)."""
 
-    Args:
-        comm: the run's collectives.
-        ledger: the model's ledger.
-        weights: each rank's share of the state (default: the devices' memory; equal where unknown).
-    """
-
-    def __init__(self, comm, ledger, weights=None) -> None:
-        super().__init__(comm, ledger, weights if weights is not None
-                         else memory_weights(device_memory(comm.runtime.devices)))
+    def device_memory(self, devices) -> list[int | None]:
+        """A CPU device's given size, a GPU's total memory."""
+        return device_memory(devices)
 
     def size(self, variable) -> int:
         return int(variable.value.numel())
