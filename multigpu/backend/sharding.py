@@ -49,7 +49,7 @@ from collections.abc import Iterator, Sequence
 from multigpu._keras import compat as _compat
 from multigpu.planning.partition import memory_weights, owners, parts
 
-__all__ = ["Shard", "ShardedOptimizers", "check_optimizer", "holder"]
+__all__ = ["Shard", "ShardedOptimizers", "holder"]
 
 
 def holder(optimizer):
@@ -57,7 +57,7 @@ def holder(optimizer):
     return getattr(optimizer, "inner_optimizer", None) or optimizer
 
 
-def check_optimizer(inner) -> None:
+def _check_optimizer(inner) -> None:
     """Refuses, on every rank and before any step, what parts cannot compute exactly."""
     if inner.gradient_accumulation_steps and inner.global_clipnorm:
         raise ValueError(
@@ -116,8 +116,6 @@ class ShardedOptimizers:
             self.device_memory(comm.runtime.devices))
         self._shards: dict[int, Shard] = {}  # by id of the optimizer that holds the state
 
-    holder = staticmethod(holder)
-
     # ------------------------------------------------------------ the backend's part
     def device_memory(self, devices) -> list[int | None]:
         """Each device's memory in bytes where known: a CPU device's given size (``cpu:0/8GiB``)."""
@@ -145,10 +143,10 @@ class ShardedOptimizers:
     def see(self, optimizer) -> None:
         """Takes ``optimizer`` in (once): its update runs on the owned variables, its state is in parts once it
         is built (at once if it is), and loading fills the whole state."""
-        inner = self.holder(optimizer)
+        inner = holder(optimizer)
         if inner is None or getattr(inner, "_multigpu_sharded", None) is self:
             return
-        check_optimizer(inner)
+        _check_optimizer(inner)
         keras_apply = _compat.backend_apply_gradients(inner)
         shards = self
 
@@ -168,7 +166,7 @@ class ShardedOptimizers:
         """Builds ``optimizer`` for ``variables`` with only the owned state (before Keras would build it
         whole): the parts not owned never take memory."""
         self.see(optimizer)
-        inner = self.holder(optimizer)
+        inner = holder(optimizer)
         if optimizer.built or not variables:
             return
         shard = Shard(inner, variables, [self.size(v) for v in variables], self.weights, self.comm.rank)
@@ -201,7 +199,7 @@ class ShardedOptimizers:
         shards = self
 
         def load_own_variables(opt, store):
-            shard = shards._shards.get(id(shards.holder(opt)))
+            shard = shards._shards.get(id(holder(opt)))
             if shard is not None and shard.dropped:
                 shards._zeros(shard)  # the file has the whole state: every rank reads it, lets go of parts later
             return keras_load(store)

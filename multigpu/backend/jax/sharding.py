@@ -82,7 +82,10 @@ class ShardedOptimizers(_Neutral):
 
     def before_step(self, optimizer=None, values=None):
         """Lets go of the parts not owned that a load filled; with ``optimizer`` and its state ``values`` (the
-        step's), returns the values with those parts of no elements."""
+        step's), returns the values with those parts of no elements (as given when nothing was filled: the
+        common case, checked at every step)."""
+        if all(shard.dropped for shard in self._shards.values()):
+            return values
         values = None if values is None else list(values)
         positions = {} if optimizer is None else {id(v): i for i, v in enumerate(optimizer.variables)}
         for shard in self._shards.values():
