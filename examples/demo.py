@@ -251,7 +251,7 @@ def report(state, batch: int, total: float, one: float | None, alone_runs: tuple
     computing = sum(r.get("compute_samples_per_second", 0) for r in last)
     waiting = max((r.get("wait", 0) / ((r.get("compute", 0) + r.get("wait", 0)) or 1.0) for r in last), default=0)
     pace = computing / (one * ideal)
-    replayed = pace > 1.0 and keras.backend.backend() == "torch"  # the replay exists on torch only
+    replayed = pace > 1.05 and keras.backend.backend() == "torch"  # the replay exists on torch only
     why = ("multigpu replays the forward pass without Keras's per-operation work, and the cores share caches and "
            "memory bandwidth" if replayed else "the cores share caches and memory bandwidth")
     where = (f"the devices computed at {pace:.0%} of their speed alone ({why}), waited up to {waiting:.0%} of a "
