@@ -11,7 +11,9 @@ without root it runs both at full speed and says so).  Shares are measured
 speedup against one device measured in the same run, the test accuracy, and
 where it saved the model and a PNG of throughput per device.  On a CPU it
 trains a narrower network (`--width`) on a subset of the data, as it says on
-screen, so that it finishes in a few minutes.
+screen, so that it finishes in a few minutes.  Every process it starts asks
+torch's CPU allocator for huge pages (``THP_MEM_ALLOC_ENABLE=1``, unless set):
+without them a fresh process's speed on a CPU moves with where its pages land.
 """
 
 from __future__ import annotations
@@ -251,7 +253,8 @@ def report(state, batch: int, total: float, one: float | None, alone_runs: tuple
     computing = sum(r.get("compute_samples_per_second", 0) for r in last)
     waiting = max((r.get("wait", 0) / ((r.get("compute", 0) + r.get("wait", 0)) or 1.0) for r in last), default=0)
     pace = computing / (one * ideal)
-    replayed = pace > 1.05 and keras.backend.backend() == "torch"  # the replay exists on torch only
+    # Within 5% of the speed alone is the runs' own spread, not the replay (which exists on torch only).
+    replayed = pace > 1.05 and keras.backend.backend() == "torch"
     why = ("multigpu replays the forward pass without Keras's per-operation work, and the cores share caches and "
            "memory bandwidth" if replayed else "the cores share caches and memory bandwidth")
     where = (f"the devices computed at {pace:.0%} of their speed alone ({why}), waited up to {waiting:.0%} of a "
