@@ -91,6 +91,12 @@ OUTSIDE = {
         "the optimizer in parts on torch and TensorFlow, through the same neutral code, stays",
     "test_notebook.py::test_launch_at_3_to_1_in_a_kernel_reproduces_one_device[torch]":
         "a launch in a kernel whose rank fails (the kernel stays usable) stays",
+    "test_splits.py::test_every_split_of_a_batch_of_64_reproduces_one_device[torch]":
+        "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
+    "test_splits.py::test_every_split_of_a_batch_of_64_reproduces_one_device[jax]":
+        "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
+    "test_splits.py::test_every_split_of_a_batch_of_64_reproduces_one_device[tensorflow]":
+        "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
 }
 
 
@@ -140,7 +146,11 @@ class Runner:
                    MULTIGPU_PROFILE=str(self.tmp_path / "profiles.json"))
         if not self.gpu:  # scripts see the machine CI has: no GPU
             env["CUDA_VISIBLE_DEVICES"] = ""
-        env.update(extra or {})
+        for name, value in (extra or {}).items():  # None takes a variable out
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         return env
 
     def start(self, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
