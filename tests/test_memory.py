@@ -40,6 +40,69 @@ def test_structure_round_trips_through_one_shared_file():
         got["a"][0] = 1
 
 
+@pytest.mark.parametrize("array", [
+    np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+    np.array(3.5),
+    np.zeros((0, 5), np.int64),
+    np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "<i4"), ("b", "<f8")]),
+    np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4)),
+], ids=["3d", "scalar", "empty", "structured", "fortran"])
+def test_np_load_of_a_npy_path_reads_the_file_into_shared_memory(tmp_path, array):
+    """``load_once(np.load, path)`` reads a ``.npy`` file straight into the shared file (the machine never holds
+    it twice); a Fortran-ordered array goes the generic way; either way the array is the file's."""
+    path = tmp_path / "x.npy"
+    np.save(path, array)
+    assert once._npy_file(np.load, (str(path),), {}) == str(path)
+    streamed = once._write_npy(path)
+    assert (streamed is None) == (array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous)
+    fd = once._load(np.load, (path,), {"mmap_mode": "r"})
+    try:
+        got = once._read(fd)
+    finally:
+        os.close(fd)
+        if streamed is not None:
+            os.close(streamed)
+    assert got.dtype == array.dtype and got.shape == array.shape and not got.flags.writeable
+    np.testing.assert_array_equal(got, array)
+
+
+def test_only_np_load_of_a_npy_path_is_streamed_and_a_short_file_says_so(tmp_path):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(1000, dtype=np.float32))
+    np.savez(tmp_path / "x.npz", x=np.arange(3))
+    assert once._npy_file(np.load, (tmp_path / "x.npz",), {}) is None  # an archive: np.load's own reading
+    assert once._npy_file(np.load, (str(path),), {"encoding": "bytes"}) is None
+    assert once._npy_file(np.loadtxt, (str(path),), {}) is None  # another function: called as it is
+    assert once._npy_file(np.load, (str(tmp_path / "missing.npy"),), {}) is None  # np.load raises its own error
+    (tmp_path / "short.npy").write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"short\.npy' ends after 3900 of the 4000 bytes"):
+        once._write_npy(tmp_path / "short.npy")
+
+
+def test_a_large_npy_file_is_held_once_while_it_loads(tmp_path):
+    """The peak resident memory of a process that shares a 256 MB ``.npy`` file grows by about the file's size,
+    not twice it (``np.load`` then a copy would)."""
+    import subprocess
+
+    path = tmp_path / "big.npy"
+    np.save(path, np.ones(64 << 20, np.float32))
+    code = ("import sys, numpy as np\n"
+            "from multigpu.runtime import load_once as once\n"
+            "def kb(name):\n"
+            "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(name))\n"
+            "open('/proc/self/clear_refs', 'w').write('5')  # the peak from here on, not the imports'\n"
+            "before = kb('VmRSS:')\n"
+            "fd = once._load(np.load, (sys.argv[1],), {})\n"
+            "x = once._read(fd)\n"
+            "assert float(x[::4096].sum()) == x.size / 4096\n"
+            "print((kb('VmHWM:') - before) * 1024)\n")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    grown = int(res.stdout.split()[-1])
+    assert grown < 1.2 * (256 << 20), f"peak grew by {grown >> 20} MB for a 256 MB file"
+
+
 def test_bad_input_is_refused_with_what_was_received():
     with pytest.raises(TypeError, match=r"Received: 'x\.npy' of type str"):
         once.load_once("x.npy")

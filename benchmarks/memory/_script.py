@@ -1,6 +1,6 @@
 """The training script of bench_host.py: a user's script that loads its features at the top.
 
-    python _script.py DIR MODE DEVICES   (MODE: plain, mmap or load_once; DEVICES: cpu:0,cpu:1)
+    python _script.py DIR MODE DEVICES   (MODE: plain, mmap, load_once or load_once_fn; DEVICES: cpu:0,cpu:1)
 """
 
 import os
@@ -19,10 +19,12 @@ if mode == "plain":
     x, y = np.load(x_path), np.load(y_path)
 elif mode == "mmap":
     x, y = np.load(x_path, mmap_mode="r"), np.load(y_path, mmap_mode="r")
-elif mode == "load_once":
+elif mode == "load_once":  # np.load of a path: read straight into shared memory
+    x, y = multigpu.load_once(np.load, x_path), multigpu.load_once(np.load, y_path)
+elif mode == "load_once_fn":  # a function of the user's: its arrays copied into shared memory
     x, y = multigpu.load_once(lambda: (np.load(x_path), np.load(y_path)))
 else:
-    raise SystemExit(f"unknown mode {mode!r}: plain, mmap or load_once")
+    raise SystemExit(f"unknown mode {mode!r}: plain, mmap, load_once or load_once_fn")
 
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(32, activation="relu"),

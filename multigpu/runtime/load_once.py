@@ -19,7 +19,9 @@ Which process loads, and how the others get the file:
 
 The file starts with a header (its length, then a pickle of the returned
 structure with each array replaced by its dtype, shape and offset); the
-arrays follow, each aligned to 64 bytes.
+arrays follow, each aligned to 64 bytes.  ``np.load`` of a ``.npy`` path is
+read from the file straight into its place (no array of the process's own);
+any other function's arrays are copied there, each let go of once copied.
 """
 
 from __future__ import annotations
@@ -99,29 +101,109 @@ def _views(value, buffer: mmap.mmap, base: int):
     return _map(value, _Slot, view)
 
 
-def _write(result) -> int:
-    """A new anonymous shared file holding ``result``; returns its descriptor (inheritable)."""
-    arrays: list = []
-    layout = _plan(result, arrays)
+def _new_file(layout, end: int) -> tuple[int, mmap.mmap, int]:
+    """A new anonymous shared file of ``end`` bytes of arrays after the header of ``layout``: its descriptor, a
+    writable mapping and where the arrays begin."""
     header = pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
     base = _align(8 + len(header))
-    end = arrays[-1][0].offset + arrays[-1][1].nbytes if arrays else 0
     size = max(base + end, 1)
     fd = os.memfd_create("multigpu-load-once", 0)
     try:
         os.ftruncate(fd, size)
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as out:
-            out[:8] = struct.pack("<Q", len(header))
-            out[8 : 8 + len(header)] = header
-            for slot, array in arrays:
+        out = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    out[:8] = struct.pack("<Q", len(header))
+    out[8 : 8 + len(header)] = header
+    return fd, out, base
+
+
+def _write(result) -> int:
+    """A new anonymous shared file holding ``result``; returns its descriptor (inheritable).
+
+    Each array is let go of once it is copied, so that where nothing else
+    holds the function's arrays the machine holds at most one of them twice.
+    """
+    arrays: list = []
+    layout = _plan(result, arrays)
+    del result
+    end = arrays[-1][0].offset + arrays[-1][1].nbytes if arrays else 0
+    fd, out, base = _new_file(layout, end)
+    try:
+        with out:
+            arrays.reverse()
+            while arrays:
+                slot, array = arrays.pop()
                 target = np.frombuffer(out, dtype=array.dtype, count=array.size, offset=base + slot.offset)
                 target[...] = array.reshape(-1)
-                del target
+                del target, array
     except BaseException:
         os.close(fd)
         raise
     os.set_inheritable(fd, True)
     return fd
+
+
+_NPY_KEYWORDS = {"mmap_mode", "allow_pickle", "max_header_size"}
+
+
+def _npy_file(fn: Callable, args: tuple, kwargs: dict) -> str | os.PathLike | None:
+    """The path of a ``.npy`` file when the call is ``np.load(path, ...)`` of one (the array read straight into
+    shared memory); None for any other call."""
+    if fn is not np.load or len(args) != 1 or not set(kwargs) <= _NPY_KEYWORDS:
+        return None
+    path = args[0]
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return path if f.read(6) == b"\x93NUMPY" else None
+    except OSError:
+        return None  # np.load raises its own error
+
+
+def _write_npy(path: str | os.PathLike, max_header_size: int | None = None) -> int | None:
+    """The array of the ``.npy`` file at ``path`` read straight into a new shared file (the machine holds it
+    once, also while it loads); its descriptor, or None for a file the generic path takes (Python objects,
+    Fortran order)."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        version = fmt.read_magic(f)
+        extra = {} if max_header_size is None else {"max_header_size": max_header_size}
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(f, **extra)
+        if dtype.hasobject or (fortran_order and len(shape) > 1):
+            return None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        slot = _Slot(dtype.str if dtype.fields is None else dtype.descr, tuple(shape), 0)
+        fd, out, base = _new_file(slot, nbytes)
+        try:
+            with out, memoryview(out) as view:
+                done, chunk = 0, 64 << 20
+                while done < nbytes:
+                    with view[base + done : base + min(nbytes, done + chunk)] as part:
+                        read = f.readinto(part)
+                    if not read:
+                        raise ValueError(f"multigpu.load_once: {os.fspath(path)!r} ends after {done} of the "
+                                         f"{nbytes} bytes its header announces (shape {tuple(shape)}, dtype "
+                                         f"{dtype}).")
+                    done += read
+        except BaseException:
+            os.close(fd)
+            raise
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def _load(fn: Callable, args: tuple, kwargs: dict) -> int:
+    """Runs the user's loading and writes its arrays to a new shared file; returns its descriptor."""
+    path = _npy_file(fn, args, kwargs)
+    if path is not None:
+        fd = _write_npy(path, kwargs.get("max_header_size"))
+        if fd is not None:
+            return fd
+    return _write(fn(*args, **kwargs))
 
 
 def _read(fd: int):
@@ -228,6 +310,12 @@ def load_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     frees it when the last process of the run that maps it ends, however it
     ends.
 
+    ``load_once(np.load, path)`` of a ``.npy`` file reads the file straight
+    into the shared memory: the machine holds the array once, also while it
+    loads.  Any other function runs as it is, and its arrays are copied into
+    the shared memory one after another, each let go of once copied (while
+    one is copied, the machine holds it twice).
+
     Where it runs: under ``python train.py``, in the script's first process
     (before ``parallelize`` turns it into the supervisor), and the ranks take
     its file; under ``multigpu run``, ``multigpu.launch`` and an outside
@@ -237,7 +325,7 @@ def load_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Example:
         ```python
-        x, y = multigpu.load_once(lambda: (np.load("x.npy"), np.load("y.npy")))
+        x, y = multigpu.load_once(np.load, "x.npy"), multigpu.load_once(np.load, "y.npy")
         model = multigpu.parallelize(model)
         model.fit(x, y, batch_size=256)
         ```
@@ -269,14 +357,14 @@ def load_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except ValueError:
         found = None
     if found is None:  # the script's first process: load, and keep the file for the ranks it will start
-        fd = _write(fn(*args, **kwargs))
+        fd = _load(fn, args, kwargs)
         env.put(env.SHARED_ARRAYS, json.dumps([*inherited, fd]))
         return _read(fd)
     address = _address(found, call)
     if found.local_size <= 1:
-        fd = _write(fn(*args, **kwargs))
+        fd = _load(fn, args, kwargs)
     elif found.local_rank == 0:
-        fd = _write(fn(*args, **kwargs))
+        fd = _load(fn, args, kwargs)
         _serve(fd, address, found.local_size - 1, _timeout())
     else:
         fd = _receive(address, _timeout())
