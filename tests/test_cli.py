@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -150,11 +151,12 @@ def test_every_command_says_what_it_does_with_an_example(capsys):
         assert f"multigpu {name}" in out.split("options:")[0].split("\n", 2)[-1], (name, out)
 
 
-def test_messages_go_through_the_multigpu_logger_and_its_level_quiets_them(capsys):
+def test_messages_go_through_the_multigpu_logger_and_its_level_quiets_them(capsys, monkeypatch):
     import logging
 
     from multigpu import log
 
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a program that configured no logging (not pytest)
     before = log.logger.level
     try:
         log.logger.info("a notice")
@@ -171,6 +173,29 @@ def test_messages_go_through_the_multigpu_logger_and_its_level_quiets_them(capsy
         assert logging.getLogger("multigpu").level == logging.WARNING
     finally:
         log.logger.setLevel(before)
+
+
+def test_a_programs_logging_configuration_receives_multigpus_messages(runner):
+    """``logging.basicConfig`` in the user's script: the ranks' messages reach its handler, in its format, once;
+    without it they are printed as multigpu writes them."""
+    script = runner.tmp_path / "logs.py"
+    script.write_text(
+        "import logging, os, sys\n"
+        "if sys.argv[1] == 'configured':\n"
+        "    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format='USER %(name)s %(message)s')\n"
+        "import keras, numpy as np, multigpu\n"
+        "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+        "model = multigpu.parallelize(model, devices=['cpu:0', 'cpu:1'])\n"
+        "model.compile('sgd', 'mse')\n"
+        "model.fit(np.ones((32, 3), 'float32'), np.ones((32, 1), 'float32'), batch_size=16, verbose=0)\n")
+    configured = runner.run([sys.executable, str(script), "configured"], 150)
+    plain = runner.run([sys.executable, str(script), "plain"], 150)
+    assert configured.returncode == 0 and plain.returncode == 0, configured.stdout[-2000:] + plain.stdout[-2000:]
+    line = "2 devices (CPU:0, CPU:1), shares 50%/50% (8 + 8 rows of each batch of 16)"
+    assert configured.stdout.count(f"USER multigpu {line}") == 1, configured.stdout[-2000:]
+    assert f"multigpu: {line}" not in configured.stdout, configured.stdout[-2000:]
+    assert plain.stdout.count(f"multigpu: {line}") == 1 and "USER" not in plain.stdout, plain.stdout[-2000:]
+    assert runner.leftovers() == []
 
 
 def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tmp_path):

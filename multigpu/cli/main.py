@@ -16,6 +16,7 @@ from multigpu.cli import calibrate as calibrate_cmd
 from multigpu.cli import devices as devices_cmd
 from multigpu.cli import run as run_cmd
 from multigpu.devices import looks_like_devices
+from multigpu.log import print_always
 
 _COMMANDS = {"run": run_cmd, "devices": devices_cmd, "bench": bench_cmd, "calibrate": calibrate_cmd}
 _DEVICE_FLAGS = ("--devices", "--gpus")
@@ -74,6 +75,7 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    print_always()
     parser = build_parser()
     args = parser.parse_args(join_device_lists(list(sys.argv[1:] if argv is None else argv)))
     try:
