@@ -54,10 +54,12 @@ def parallelize(
     launcher (torchrun, ``srun``, ``mpirun``, Kubernetes' torch variables) it
     joins the running group.  With one device it changes nothing.
 
-    An argument given here wins over the ``MULTIGPU_*`` variable that stands
-    in for it (``multigpu run --ratios/--timeout``, ``MULTIGPU_TRANSPORT``),
-    which counts only where the argument is left unset; when both are set and
-    differ, rank 0 says so in one line.
+    One rule for settings given in more than one place: what ``multigpu
+    run``'s command line or ``multigpu.launch`` is given for the run
+    (``--devices``, ``--ratios``, ``--timeout``, ``--min-devices``) wins over
+    an argument given here, which wins over the ``MULTIGPU_*`` variable that
+    stands in for it (``MULTIGPU_TRANSPORT``...); where two given ones
+    differ, rank 0 says in one line which it took.
 
     ``fit``'s ``batch_size`` is the global batch.  It is split across the
     devices in proportion to the shares, and gradients are combined weighted
@@ -65,9 +67,9 @@ def parallelize(
     whole batch.
 
     Args:
-        model: a Keras 3 model on the torch backend.
-        devices: ``"auto"`` (default: every GPU; on a CPU-only machine one
-            CPU device per core, at most 8), or a list such as ``[0, 1]``,
+        model: a Keras 3 model (torch, JAX or TensorFlow backend).
+        devices: ``None`` or ``"auto"`` (the default: every GPU; on a machine
+            without one, a CPU device per core, at most 8), or a list such as ``[0, 1]``,
             ``["cuda:0", "cuda:1"]`` or ``["cpu:0", "cpu:1@0.5"]``.
         ratios: relative speed of each device, e.g. ``[3, 1]`` or ``"3,1"``;
             ``"auto"`` to measure the speeds (or take them from the profile)

@@ -5,11 +5,14 @@ checks it): modules call :func:`get`, :func:`copy`, :func:`set_default` and
 :func:`pop` here, and the launchers' own variables (torchrun's, SLURM's,
 MPI's) are read by :mod:`multigpu.runtime.environments`.
 
-Variables are wiring between multigpu's own processes, or a fallback for an
-argument the caller left unset: an argument given to ``parallelize`` always
-wins, and where a variable says otherwise the run says so in one line
-(:func:`fallback`).  ``multigpu run --ratios/--timeout`` and
-``multigpu.launch`` set them for scripts that leave the choice open.
+Variables are wiring between multigpu's own processes, or stand in for an
+argument of ``parallelize``.  One rule decides between them (:func:`fallback`):
+what is given for this run wins over the script, and the script over the
+environment.  A value given on ``multigpu run``'s command line or to
+``multigpu.launch`` (both name it in ``MULTIGPU_GIVEN``) wins over the
+script's argument; an argument given to ``parallelize`` wins over a variable
+the user set; a variable counts where the argument is left unset.  Where two
+that were both given differ, rank 0 says in one line which it took.
 
 * ``MULTIGPU_RANK``, ``MULTIGPU_WORLD_SIZE``: set by the supervisor on every
   process it starts (for ``python train.py`` and ``multigpu run``).
@@ -20,30 +23,31 @@ wins, and where a variable says otherwise the run says so in one line
 * ``MULTIGPU_DEVICES``: the device list of a run multigpu's supervisor started
   (every rank's, comma-separated): the processes are on those devices, so a
   script's ``devices=`` that lists others is told so, in one line.
-* ``MULTIGPU_RATIOS``: ratios for a script that passes none
-  (``multigpu run --ratios``).
+* ``MULTIGPU_RATIOS``: ``parallelize``'s ``ratios`` (``multigpu run --ratios``).
 * ``MULTIGPU_SUPERVISOR_PID``: pid of the process that started the ranks.
 * ``MULTIGPU_RUN_DIR``: a folder of the run where a failing rank writes why it
   failed, for the supervisor's message.
 * ``MULTIGPU_LAUNCH_DIR``: set by ``multigpu.launch`` on its ranks: the folder
   that holds the pickled function, where rank 0 leaves its return value and a
   failing rank its traceback.
-* ``MULTIGPU_TIMEOUT``: seconds a collective may wait, for a script that
-  passes no ``timeout`` (``multigpu run --timeout``).
-* ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``, for a script that passes no ``transport``.
+* ``MULTIGPU_TIMEOUT``: seconds a collective may wait: ``parallelize``'s
+  ``timeout`` (``multigpu run --timeout``).
+* ``MULTIGPU_TRANSPORT``: ``auto``, ``shm`` or ``gloo``: ``parallelize``'s ``transport``.
 * ``MULTIGPU_PROFILE``: the profile file of measured speeds (default
   ``$XDG_CACHE_HOME/multigpu/profiles.json`` or ``~/.cache/multigpu/profiles.json``).
 * ``MULTIGPU_REPLAY``, ``MULTIGPU_OVERLAP``, ``MULTIGPU_BUCKET_MB``: ``parallelize``'s ``replay``
-  (``0``/``1``), ``overlap`` (``0``/``1``) and ``bucket_mb`` (MiB) for a script that passes none (on
+  (``0``/``1``), ``overlap`` (``0``/``1``) and ``bucket_mb`` (MiB) (on
   torch; read by ``parallelize`` and handed to the step as values).
-* ``MULTIGPU_MIN_DEVICES``: ``parallelize``'s ``min_devices`` for a script that passes none
-  (``multigpu run --min-devices``).
+* ``MULTIGPU_MIN_DEVICES``: ``parallelize``'s ``min_devices`` (``multigpu run --min-devices``).
 * ``MULTIGPU_REJOIN``: ``1`` on a lost rank's process that the supervisor
   started again (``--max-restarts``): it joins the run at a step of ``fit``
   instead of at the start.
 * ``MULTIGPU_SHARED_ARRAYS``: the descriptors of the shared files that
   :func:`multigpu.load_once` filled in a script's first process, in call
   order (a JSON list), passed on to the ranks it starts.
+* ``MULTIGPU_GIVEN``: the variables above that ``multigpu run``'s command line
+  or ``multigpu.launch`` set (comma-separated names): they win over the
+  script's arguments.
 * ``MULTIGPU_LOG_LEVEL``: the level of multigpu's messages (``debug``, ``info``, ``warning``, ``error``;
   default ``info``) in every process of a run (``multigpu run --log-level``); :mod:`multigpu.log`.
 * ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
@@ -100,10 +104,13 @@ FAULT = "MULTIGPU_FAULT"
 REJOIN = "MULTIGPU_REJOIN"
 SHARED_ARRAYS = "MULTIGPU_SHARED_ARRAYS"
 LOG_LEVEL = "MULTIGPU_LOG_LEVEL"
+GIVEN = "MULTIGPU_GIVEN"
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,
-            LAUNCH_DIR)
+            LAUNCH_DIR, GIVEN)
+# How the run names a variable that was given for it, in the one line that says it won.
+_GIVEN_AS = {DEVICES: "--devices", RATIOS: "--ratios", TIMEOUT: "--timeout", MIN_DEVICES: "--min-devices"}
 
 
 def get(name: str, default: str | None = None) -> str | None:
@@ -131,22 +138,47 @@ def pop(name: str) -> str | None:
     return os.environ.pop(name, None)
 
 
+def given(*names: str) -> None:
+    """Marks the variables ``names`` as given for this run (``multigpu run``'s command line, ``multigpu.launch``):
+    they win over the script's arguments in this process and the processes it starts."""
+    marked = [n for n in (get(GIVEN) or "").split(",") if n]
+    put(GIVEN, ",".join(dict.fromkeys([*marked, *names])))
+
+
 def fallback(argument: str, value, variable: str, parse: Callable[[str], object] = str,
              say: Callable[[str], None] | None = None, same: Callable[[object, object], bool] | None = None):
-    """``value`` when the caller gave one, else the variable's (parsed), else None.
+    """What the run takes for ``argument`` of ``parallelize``, by the one rule of this module's docstring.
+
+    A variable given for the run (named in ``MULTIGPU_GIVEN``) wins over
+    ``value``; otherwise ``value`` wins over the variable; the variable counts
+    where ``value`` is None.
 
     Args:
         argument: the argument's name, for the message.
-        value: what the caller passed (None: left unset).
+        value: what the script passed (None: left unset).
         variable: the variable that stands in for it.
         parse: turns the variable's text into a value of the argument's kind.
         say: where the one line goes when both are set and differ (rank 0's log).
         same: whether the argument and the parsed variable say the same (default ``==``).
+
+    Returns:
+        The value taken, or None where neither is set.
     """
     text = os.environ.get(variable)
     if value is None:
         return None if not text else parse(text)
-    if text and say is not None and not (same or (lambda a, b: a == b))(value, parse(text)):
+    if not text:
+        return value
+    theirs = parse(text)
+    if (same or (lambda a, b: a == b))(value, theirs):
+        return value
+    if variable in (get(GIVEN) or "").split(","):
+        if say is not None:
+            flag = _GIVEN_AS.get(variable, variable)
+            say(f"{flag} {text} (given to multigpu run or multigpu.launch) wins over {argument}={value!r} given to "
+                "parallelize")
+        return theirs
+    if say is not None:
         say(f"{argument}={value!r} given to parallelize wins over {variable}={text}")
     return value
 

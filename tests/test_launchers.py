@@ -265,31 +265,48 @@ def test_mpirun_runs_two_processes_as_one_run_equal_to_one_device(runner, backen
 # ------------------------------------------------------ arguments over variables
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_the_scripts_own_ratios_win_over_multigpu_run_and_the_run_says_so(runner):
-    """The script's ratios and timeout win; its devices cannot (the processes run where the run started them), and
-    the run says so for each, in one line from rank 0."""
+def test_the_command_line_wins_over_the_scripts_arguments_and_the_run_says_so(runner):
+    """One rule for every flag: what ``multigpu run`` is given for this run wins over the script's ``devices``,
+    ``ratios`` and ``timeout``, and rank 0 says so for each in one line; a flag left out leaves the script's."""
     res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "1,1", "--timeout", "30", str(SCRIPTS / "tiny.py"),
                      "--rows", "64", "--batch", "16", "--ratios", "3,1", "--devices", "cpu:1,cpu:0", "--out", "args",
                      timeout=90)
     assert res.returncode == 0, res.stdout
-    assert res.stdout.count("multigpu: ratios=[3.0, 1.0] given to parallelize wins over MULTIGPU_RATIOS=1,1") == 1
-    assert "multigpu: timeout=20.0 given to parallelize wins over MULTIGPU_TIMEOUT=30" in res.stdout, res.stdout
-    assert ("multigpu: devices=['cpu:1', 'cpu:0'] given to parallelize, but the run's processes were started on "
-            "MULTIGPU_DEVICES=cpu:0,cpu:1 (multigpu run --devices): training on those") in res.stdout, res.stdout
-    assert read(runner, "args", 0)["shares"] == [12, 4]
+    given = "(given to multigpu run or multigpu.launch) wins over"
+    assert res.stdout.count(f"multigpu: --ratios 1,1 {given} ratios=[3.0, 1.0] given to parallelize") == 1
+    assert f"multigpu: --timeout 30 {given} timeout=20.0 given to parallelize" in res.stdout, res.stdout
+    assert (f"multigpu: --devices cpu:0,cpu:1 {given} devices=['cpu:1', 'cpu:0'] given to parallelize: the ranks' "
+            "processes run there") in res.stdout, res.stdout
+    assert read(runner, "args", 0)["shares"] == [8, 8]
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "64", "--batch", "16",
+                     "--ratios", "3,1", "--out", "kept", timeout=90)
+    assert res.returncode == 0 and "wins over" not in res.stdout, res.stdout
+    assert read(runner, "kept", 0)["shares"] == [12, 4]
     assert runner.leftovers() == []
 
 
 def test_unset_arguments_fall_back_to_the_variables_and_set_ones_win(monkeypatch):
+    """A variable the user set counts where the argument is unset; one given for the run (multigpu run, launch)
+    wins over the argument."""
     from multigpu import env
 
     monkeypatch.setenv(env.TRANSPORT, "gloo")
+    monkeypatch.setenv(env.GIVEN, "")  # undone after the test, with what env.given adds
     assert env.fallback("transport", None, env.TRANSPORT) == "gloo"
     said: list[str] = []
     assert env.fallback("transport", "shm", env.TRANSPORT, say=said.append) == "shm"
     assert said == ["transport='shm' given to parallelize wins over MULTIGPU_TRANSPORT=gloo"]
+    assert env.fallback("transport", "gloo", env.TRANSPORT, say=said.append) == "gloo" and len(said) == 1
     monkeypatch.delenv(env.TRANSPORT)
     assert env.fallback("transport", None, env.TRANSPORT) is None
+    monkeypatch.setenv(env.RATIOS, "3,1")
+    env.given(env.DEVICES, env.RATIOS)
+    env.given(env.RATIOS)
+    assert env.get(env.GIVEN) == f"{env.DEVICES},{env.RATIOS}"
+    assert env.fallback("ratios", [1.0, 1.0], env.RATIOS, lambda t: [float(r) for r in t.split(",")],
+                        say=said.append) == [3.0, 1.0]
+    assert said[-1] == ("--ratios 3,1 (given to multigpu run or multigpu.launch) wins over ratios=[1.0, 1.0] given "
+                        "to parallelize")
 
 
 def test_nothing_below_env_and_the_launchers_reads_the_environment():

@@ -37,17 +37,19 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a training script on several devices", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", "--gpus", default="auto",
-                   help="devices, e.g. 0,1 or 0 1 or cpu:0,cpu:1@0.5 (default: auto, every GPU)")
+                   help="devices, e.g. 0,1 or 0 1 or cpu:0,cpu:1@0.5; the ranks run on these whatever the script "
+                        "names (default: auto, every GPU)")
     p.add_argument("--ratios", default=None,
-                   help="comma-separated ratios, e.g. 3,1, 'auto', or a profile .json (default: the script's choice)")
+                   help="comma-separated ratios, e.g. 3,1, 'auto', or a profile .json; wins over the script's "
+                        "(default: the script's choice)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a collective may wait, for a script that passes no timeout (default: 60)")
+                   help="seconds a collective may wait; wins over the script's (default: the script's, else 60)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart all ranks up to K times after a failure; with --min-devices, start a lost rank "
                         "again instead (it rejoins at a step of fit)")
     p.add_argument("--min-devices", type=int, default=None,
-                   help="go on without a lost device while this many are left, for a script that passes no "
-                        "min_devices (torch and TensorFlow; default: a lost device ends the run)")
+                   help="go on without a lost device while this many are left; wins over the script's min_devices "
+                        "(torch and TensorFlow; default: the script's, else a lost device ends the run)")
     p.add_argument("--log-level", default=None, choices=LEVELS,
                    help="multigpu's messages in every process of the run: debug, info (default), warning, error")
     p.add_argument("script", help="the Python script to run")
@@ -76,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
                              f"Received: {args.min_devices}")
         env.put(env.MIN_DEVICES, str(args.min_devices))
     env.set_default("KERAS_BACKEND", "torch")
+    # The command line wins over the script's arguments (env.fallback): the ranks run on its devices, and its
+    # ratios, timeout and min_devices replace the script's where given.
+    env.given(env.DEVICES, *([env.RATIOS] if ratios is not None else []),
+              *([env.TIMEOUT] if args.timeout is not None else []),
+              *([env.MIN_DEVICES] if args.min_devices is not None else []))
     command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "script", args.script, *args.args]
     supervisor = Supervisor(command, devices, args.timeout, ratios=ratios)
     return supervisor.run(max_restarts=args.max_restarts, prefix="multigpu run")
@@ -83,13 +90,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _become_the_rank(args: argparse.Namespace) -> int:
     """This process is one rank of an outside launcher's run: it runs the script through the rank entry, with
-    ``--devices``, ``--ratios`` and ``--timeout`` as fallbacks for what the script leaves unset."""
+    ``--devices``, ``--ratios`` and ``--timeout`` where given winning over the script's arguments."""
     if args.devices != "auto":
         env.put(env.DEVICES, args.devices)
+        env.given(env.DEVICES)
     if args.ratios is not None:
         env.put(env.RATIOS, args.ratios)
+        env.given(env.RATIOS)
     if args.timeout is not None:
         env.put(env.TIMEOUT, f"{args.timeout:g}")
+        env.given(env.TIMEOUT)
     env.set_default("KERAS_BACKEND", "torch")
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "multigpu.runtime.rank_entry", "script", args.script,

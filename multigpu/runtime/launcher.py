@@ -143,8 +143,9 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | Sequence = "auto",
     """Runs ``fn(*args)`` once per device; returns rank 0's return value.
 
     Inside ``fn``, ``multigpu.parallelize(model)`` joins the run, with the
-    devices and ratios given here (they win over those ``parallelize`` is
-    given, as with ``multigpu run``).  Works from a Jupyter or Colab cell, an
+    devices, ratios and timeout given here: they win over those
+    ``parallelize`` is given, as ``multigpu run``'s command line does, and
+    rank 0 says so in one line where they differ.  Works from a Jupyter or Colab cell, an
     IPython shell and a script alike.
 
     ``fn``, its arguments and its return value travel between processes with
@@ -199,7 +200,11 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | Sequence = "auto",
     try:
         (Path(folder) / PAYLOAD).write_bytes(payload)
         command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "call", str(Path(folder) / PAYLOAD)]
-        extra = {"PYTHONUNBUFFERED": "1", env.LAUNCH_DIR: folder, **(options.get("env") or {})}
+        # what launch was given wins over parallelize's arguments (env.fallback), as multigpu run's command line
+        named = [env.DEVICES, *([env.RATIOS] if text is not None else []),
+                 *([env.TIMEOUT] if options.get("timeout") else [])]
+        extra = {"PYTHONUNBUFFERED": "1", env.LAUNCH_DIR: folder, env.GIVEN: ",".join(named),
+                 **(options.get("env") or {})}
         group = Supervisor(command, parsed, timeout, ratios=text, env_extra=extra, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, cores=cores)
         group.start()

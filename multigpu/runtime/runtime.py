@@ -231,8 +231,8 @@ def _launched(found: Environment, devices, timeout: float, say) -> Runtime:
     if say is not None and devices not in (None, "auto", ["auto"]):
         asked = [d.spec for d in parse_devices(devices, num_gpus=backend.gpu_count)]
         if asked != [d.spec for d in parsed]:
-            say(f"devices={asked} given to parallelize, but the run's processes were started on "
-                f"{env.DEVICES}={text} (multigpu run --devices): training on those")
+            say(f"--devices {text} (given to multigpu run or multigpu.launch) wins over devices={asked} given to "
+                "parallelize: the ranks' processes run there")
     return Runtime(found.rank, found.world_size, parsed, found, timeout)
 
 
