@@ -34,11 +34,12 @@ $(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
-# TensorFlow's CPU build for the tf.data tests, the TensorFlow backend's tests and the image-folder example only
+# TensorFlow's CPU build (and TensorBoard, which Keras's TensorBoard callback writes with) for the tf.data tests,
+# the TensorFlow backend's tests, the training recipes' TensorBoard logs and the image-folder example only
 # (multigpu imports it only when the data is a tf.data.Dataset or KERAS_BACKEND=tensorflow; it leaves Keras as it
 # is), so that `make demo` does not wait for it.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0"
+	$(BIN)/pip install --quiet "tensorflow-cpu==2.21.0" "tensorboard==2.21.0"
 	touch $(TEST_STAMP)
 
 demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(if $(filter jax,$(DEMO_BACKEND)),$(STAMP),$(DEMO_STAMP)))

@@ -28,6 +28,25 @@ def test_the_quickstart_runs_as_written_on_two_cpu_devices(runner):
     assert runner.leftovers() == []
 
 
+def test_the_tutorial_runs_as_written_on_two_unequal_devices(runner):
+    """docs/tutorial.md's script under the command it gives: the shares follow the devices' speeds, the report
+    and the final lines come from rank 0."""
+    text = (README.parent / "docs" / "tutorial.md").read_text()
+    found = re.search(r"<!-- tutorial -->\n```python\n(.*?)```\n<!-- /tutorial -->", text, re.S)
+    assert found and "multigpu run --devices cpu:0 cpu:1@0.5 train.py" in text
+    script = runner.tmp_path / "train.py"
+    script.write_text(found.group(1))
+    res = runner.cli("run", "--devices", "cpu:0", "cpu:1@0.5", "train.py", timeout=150)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "multigpu: 2 devices (CPU:0, CPU:1@0.5)" in res.stdout and res.stdout.count("Epoch 4/4") == 1
+    assert res.stdout.count("multigpu: where the time went in epoch 4:") == 1, res.stdout[-3000:]
+    shares = re.search(r"^multigpu: 2 device\(s\): CPU:0 (\d+)%, CPU:1@0.5 (\d+)%$", res.stdout, re.M)
+    assert shares and int(shares[1]) > int(shares[2]), res.stdout[-3000:]  # the faster device takes more rows
+    accuracy = re.search(r"^accuracy (\d\.\d+)$", res.stdout, re.M)
+    assert accuracy and float(accuracy[1]) > 0.3, res.stdout[-3000:]  # ten classes: chance is 0.1
+    assert runner.leftovers() == []
+
+
 def test_the_readme_stays_short_and_points_to_the_documentation():
     text = README.read_text()
     assert len(text.splitlines()) <= 200

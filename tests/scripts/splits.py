@@ -92,7 +92,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=3840)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--policy", default=None, help="a Keras dtype policy, e.g. mixed_float16")
     a = p.parse_args()
+    if a.policy:
+        keras.mixed_precision.set_global_policy(a.policy)
     x, y = data(a.rows)
     results, rank = {}, 0
     for split in ["plain"] if a.plain else a.splits:
