@@ -115,3 +115,37 @@ def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner):
             assert max_relative_error([p[f"{name}.weights"]], [g[f"{name}.weights"]]) <= tolerance, name
             assert max_relative_error([p[f"{name}.state"]], [g[f"{name}.state"]]) <= tolerance, name
             assert int(g[f"{name}.held"]) < int(p[f"{name}.held"]), name
+
+
+def _sees_a_gpu(backend: str) -> bool:
+    """Whether this machine's build of ``backend`` computes on a GPU (its CUDA build is installed)."""
+    probe = {"tensorflow": "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))",
+             "jax": "import jax; print(len([d for d in jax.devices() if d.platform == 'gpu']))"}[backend]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env,
+                         check=False)
+    return res.returncode == 0 and res.stdout.strip().splitlines()[-1:] not in ([], ["0"])
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_the_tensorflow_and_jax_gpu_paths_reproduce_one_gpu(runner, tmp_path, backend):
+    """The same GPU rank beside a CPU rank at 3:1 on TensorFlow and on JAX, against plain Keras on the GPU in
+    that backend; skipped (and reported) where the backend's CUDA build is not installed."""
+    if not _sees_a_gpu(backend):
+        pytest.skip(f"{backend}'s CUDA build is not installed here: its GPU path did not run")
+    backend_env = {"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **F32, **backend_env}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    plain = tmp_path / "plain.npz"
+    res = subprocess.run([sys.executable, str(SCRIPTS / "exactness.py"), str(plain), "--plain", "--rows", ROWS],
+                         capture_output=True, check=False, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "par.npz"
+    res = runner.cli("run", "--devices", "cuda:0,cpu:0", "--ratios", "3,1", str(SCRIPTS / "exactness.py"), str(out),
+                     "--rows", ROWS, timeout=280, extra_env={**F32, **backend_env})
+    assert res.returncode == 0, res.stdout[-3000:]
+    reference, got = load(plain), load(out)
+    for name, tolerance in TOLERANCE.items():
+        assert max_relative_error(reference[name][0], got[name][0]) <= tolerance, (backend, name)
+    assert runner.leftovers() == []
