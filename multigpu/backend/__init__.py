@@ -5,7 +5,8 @@ integration, the command line) is backend-neutral.  A backend module gives:
 
 * ``bind(device)``: threads and accelerator of this process;
 * ``join(runtime)`` / ``leave(failed)``: enter and leave the run's group;
-* ``Comm(runtime)``: the collectives (every error fatal);
+* ``Comm(runtime)``: the collectives (every error fatal), with the members
+  and signatures :mod:`multigpu.backend.collectives` declares;
 * ``Steps(parallel_model)``: the training, test and predict steps, a
   :class:`multigpu.backend.steps.StepsCore` (its docstring is the contract;
   ``multigpu.parallelize`` hands the class to

@@ -94,8 +94,10 @@ class Comm:
         """Sums a short list of floats over ranks (float32)."""
         return [float(v) for v in self.reduce(np.asarray(values, dtype=np.float32), what)]
 
-    def broadcast(self, arrays: Sequence, src: int = 0, what: str = "broadcasting the initial weights") -> list:
-        """Rank ``src``'s arrays on every rank (NumPy arrays; one sum per dtype)."""
+    def broadcast(self, arrays: Sequence, src: int | None = None,
+                  what: str = "broadcasting the initial weights") -> list:
+        """Rank ``src``'s arrays on every rank (default: the leader's; NumPy arrays; one sum per dtype)."""
+        src = self.leader if src is None else src
         arrays = [np.asarray(a) for a in arrays]
         out: list = [None] * len(arrays)
         by_dtype: dict = {}

@@ -1,0 +1,43 @@
+"""Every member of multigpu/backend/collectives.py's protocols, called on a real run of the backend in use.
+
+    KERAS_BACKEND=jax multigpu run --devices cpu:0,cpu:1 collectives.py OUT [host_vectors] [elastic]
+
+The members of the protocols named after OUT are called too.  Each rank writes what it saw to OUT.<rank>.json.
+"""
+
+import json
+import sys
+
+import numpy as np
+
+from multigpu import backend
+from multigpu.backend.collectives import ElasticGroup, Group, HostVectors
+from multigpu.runtime import runtime as _runtime
+
+run = _runtime.start()
+comm = backend.get().Comm(run, "auto")
+rank = comm.rank
+promised = sys.argv[2:]
+seen = {"group": isinstance(comm, Group), "elastic": isinstance(comm, ElasticGroup),
+        "host_vectors": isinstance(comm, HostVectors), "rank": rank, "world_size": comm.world_size,
+        "transport": comm.transport, "leader": comm.leader, "joining": comm.joining, "rejoined": comm.rejoined,
+        "sum_floats": comm.sum_floats([rank + 1.5, -rank], "summing floats"),
+        "gather_objects": comm.gather_objects({"rank": rank, "text": "x" * (rank + 1)}),
+        "seeds": comm.gather_objects(comm.shared_seed())}
+comm.check_same(7, "a length")
+try:
+    comm.check_same(100 + rank, "the number of rows")
+    seen["check_same"] = "no error"
+except ValueError as exc:
+    seen["check_same"] = str(exc)
+with comm.fatal("a block that does not fail"):
+    seen["fatal"] = "entered"
+if "host_vectors" in promised:
+    seen["reduce"] = comm.reduce(np.asarray([rank + 1, 2.5], np.float32), "summing a vector").tolist()
+    seen["broadcast_leader"] = [a.tolist() for a in comm.broadcast([np.arange(3.0) * (rank + 1), np.int32([rank])])]
+    seen["broadcast_1"] = [a.tolist() for a in comm.broadcast([np.arange(2.0) * (rank + 1)], src=1)]
+if "elastic" in promised:
+    seen["members"], seen["generation"] = list(comm.members), comm.generation
+    seen["share"] = comm.share({"from": rank}, 1, "sharing an object")
+with open(f"{sys.argv[1]}.{rank}.json", "w") as f:
+    json.dump(seen, f)

@@ -1,0 +1,85 @@
+"""Every backend's ``Comm`` against the protocols of ``multigpu/backend/collectives.py``: the same members with the
+same signatures (parameter names, kinds and defaults), and the same results on a real two-rank run of each backend.
+"""
+
+import inspect
+import json
+import sys
+
+import pytest
+
+from multigpu.backend.collectives import ElasticGroup, Group, HostVectors, declared
+from tests.conftest import SCRIPTS
+
+# Each backend's Comm class, and the protocols its facts promise (elastic: ElasticGroup; NumPy sums: HostVectors).
+CLASSES = {
+    "torch": ("multigpu.engine.comm", (Group, ElasticGroup)),
+    "tensorflow": ("multigpu.backend.tensorflow.collectives", (Group, ElasticGroup, HostVectors)),
+    "jax": ("multigpu.backend.jax.collectives", (Group, HostVectors)),
+}
+
+
+def _comm_class(backend: str):
+    import importlib
+
+    return importlib.import_module(CLASSES[backend][0]).Comm
+
+
+def _parameters(function) -> list[tuple]:
+    return [(p.name, p.kind, p.default) for p in list(inspect.signature(function).parameters.values())[1:]]
+
+
+@pytest.mark.parametrize("backend", list(CLASSES))
+def test_every_comm_declares_its_protocols_methods_with_their_signatures(backend):
+    import importlib
+
+    cls = _comm_class(backend)
+    protocols = CLASSES[backend][1]
+    assert (ElasticGroup in protocols) == importlib.import_module(f"multigpu.backend.{backend}.facts").FACTS.elastic
+    checked = 0
+    for protocol in protocols:
+        for name in declared(protocol):
+            wanted = getattr(protocol, name, None)
+            if not inspect.isfunction(wanted):
+                continue  # an attribute or a property: checked on a live instance below
+            mine = inspect.getattr_static(cls, name, None)
+            if mine is None:  # set on the instance (TensorFlow's fatal is the engine's): checked live
+                continue
+            assert inspect.isfunction(mine), (backend, name, mine)
+            assert _parameters(mine) == _parameters(wanted), (backend, name)
+            checked += 1
+    assert checked >= 6, (backend, checked)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", list(CLASSES))
+def test_every_comm_does_the_same_on_a_real_run(runner, backend):
+    if backend != "torch":
+        pytest.importorskip(backend, reason=f"needs {backend} (make test installs it)")
+    protocols = CLASSES[backend][1]
+    promised = [name for name, p in (("host_vectors", HostVectors), ("elastic", ElasticGroup)) if p in protocols]
+    res = runner.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
+                      str(SCRIPTS / "collectives.py"), str(runner.tmp_path / "seen"), *promised], timeout=200,
+                     extra_env={"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    seen = [json.loads((runner.tmp_path / f"seen.{r}.json").read_text()) for r in range(2)]
+    for r, got in enumerate(seen):
+        # isinstance checks that the members are there (their signatures: the test above)
+        assert got["group"] and (got["elastic"] or ElasticGroup not in protocols), got
+        assert got["host_vectors"] or HostVectors not in protocols, got
+        assert (got["rank"], got["world_size"], got["leader"], got["joining"], got["rejoined"]) == (r, 2, 0, False,
+                                                                                                    False)
+        assert got["sum_floats"] == [4.0, -1.0] and got["fatal"] == "entered"
+        assert got["gather_objects"] == [{"rank": 0, "text": "x"}, {"rank": 1, "text": "xx"}]
+        assert got["seeds"][0] == got["seeds"][1] and got["seeds"][0] >= 0
+        assert got["check_same"] == ("The ranks received different data: the number of rows differ (rank 0: 100, "
+                                     "rank 1: 101). Every rank must see the same data (build or load it the same "
+                                     "way on every rank).")
+        if HostVectors in protocols:
+            assert got["reduce"] == [3.0, 5.0]
+            assert got["broadcast_leader"] == [[0.0, 1.0, 2.0], [0]] and got["broadcast_1"] == [[0.0, 2.0]]
+        if ElasticGroup in protocols:
+            assert got["members"] == [0, 1] and got["generation"] == 0 and got["share"] == {"from": 1}
+    assert seen[0]["transport"] == seen[1]["transport"] in ("shm", "gloo")
+    assert runner.leftovers() == []
