@@ -52,7 +52,7 @@ demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(if $(filter jax,
 # The documentation site (docs/, mkdocs.yml) into site/: --strict, so that a broken link or reference fails.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(DEMO_STAMP)
-	$(BIN)/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11"
+	$(BIN)/pip install --quiet -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

@@ -8,14 +8,19 @@ the model, the ``multigpu.parallelize`` call and the training stay in each examp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import gzip
 import json
 import os
+import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # as in every example, should this module be imported first
@@ -23,9 +28,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")  # as in every example, should t
 import keras
 import numpy as np
 
-from multigpu import env as multigpu_env
-from multigpu.devices import Device
-from multigpu.runtime.processes import die_with_parent
+import multigpu
 
 DEFAULT_RATIOS_HELP = "e.g. 3,1, or 'auto' (default: equal shares for identical devices, measured otherwise)"
 
@@ -108,21 +111,70 @@ def ratios_text(ratios: str | Sequence[float]) -> str:
     return ratios if isinstance(ratios, str) else ",".join(f"{r:g}" for r in ratios)
 
 
+# -------------------------------------------------------------------- devices
+@dataclass(frozen=True)
+class PlannedDevice:
+    """A device of the full run, as a driver plans its runs.
+
+    Attributes:
+        spec: the device as ``--devices`` and ``parallelize`` take it, e.g. ``"cpu:1@0.5"``.
+        cores: the CPU cores it has in the run on all the devices (none for a GPU).
+    """
+
+    spec: str
+    cores: tuple[int, ...] = ()
+
+
+def plan_devices(devices: str | Sequence[str]) -> list[PlannedDevice]:
+    """``--devices`` as the devices of the full run, each CPU device with its block of this process's cores.
+
+    ``"auto"`` is what ``parallelize`` takes it for: every GPU that :func:`multigpu.list_devices` lists, and on a
+    machine without one, one CPU device per core, at most 8.  The CPU devices share the cores in contiguous blocks
+    of nearly equal size, in list order, as ``parallelize`` binds them.
+    """
+    if isinstance(devices, str) and devices == "auto":
+        found = multigpu.list_devices()
+        specs = [d.spec for d in found if d.is_cuda] or [d.spec for d in found][:8]
+    else:
+        specs = [devices] if isinstance(devices, str) else list(devices)
+    cores = sorted(os.sched_getaffinity(0))
+    cpus = [i for i, spec in enumerate(specs) if spec.strip().lower().startswith("cpu")]
+    planned = [PlannedDevice(spec) for spec in specs]
+    for k, i in enumerate(cpus):
+        block = cores[k * len(cores) // len(cpus) : (k + 1) * len(cores) // len(cpus)] or [cores[k % len(cores)]]
+        planned[i] = PlannedDevice(specs[i], tuple(block))
+    return planned
+
+
 # ------------------------------------------------------------ fresh processes
+# What a run sets for its ranks (multigpu's own, and torchrun's): a process that starts a run of its own drops them.
+RUN_VARS = ("MULTIGPU_RANK", "MULTIGPU_WORLD_SIZE", "MULTIGPU_MASTER_ADDR", "MULTIGPU_MASTER_PORT",
+            "MULTIGPU_STORE_FD", "MULTIGPU_DEVICES", "MULTIGPU_RATIOS", "MULTIGPU_SUPERVISOR_PID",
+            "MULTIGPU_RUN_DIR", "MULTIGPU_TIMEOUT", "MULTIGPU_LAUNCH_DIR", "MULTIGPU_GIVEN",
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def independent_env() -> dict[str, str]:
     """This environment without the variables that make a process a rank of a run.
 
     Returns:
         A copy of ``os.environ`` for a process that starts a run of its own, on this process's Keras backend.
     """
-    drop = {*multigpu_env.RUN_VARS, multigpu_env.STORE_FD,
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    drop = set(RUN_VARS)
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["KERAS_BACKEND"] = keras.backend.backend()
     return env
 
 
-def run_worker(script: str, devices: Sequence[Device], options: Sequence[str], *,
+def die_with_parent() -> None:
+    """Asks Linux to send this process SIGTERM when its parent exits (``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def run_worker(script: str, devices: Sequence[PlannedDevice], options: Sequence[str], *,
                ratios: str | Sequence[float] | None = None, result_flag: str = "--worker",
                prefix: str = "example-") -> dict:
     """Runs ``script`` on ``devices`` in fresh processes and returns the JSON result it writes.
@@ -134,7 +186,7 @@ def run_worker(script: str, devices: Sequence[Device], options: Sequence[str], *
 
     Args:
         script: the example's file, usually ``__file__``.
-        devices: the devices to train on, with their cores assigned.
+        devices: the devices to train on, with their cores (:func:`plan_devices`).
         options: the script's other command-line arguments.
         ratios: ``--ratios`` for the run, or ``None`` to leave it out.
         result_flag: the script's option that names the result file.
@@ -210,3 +262,28 @@ def table_row(cells: Sequence[object], widths: Sequence[int]) -> str:
     """
     first, *rest = (str(c) for c in cells)
     return f"{first:<{widths[0]}}" + "".join(f"{c:>{w}}" for c, w in zip(rest, widths[1:]))
+
+
+# Where Fashion-MNIST's four IDX files are looked for: Debian's dataset-fashion-mnist package, then Keras's cache.
+FASHION_MNIST = ["/usr/share/datasets/fashion-mnist", os.path.expanduser("~/.keras/datasets/fashion-mnist")]
+
+
+def read_fashion_mnist() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
+    """``(x_train, y_train), (x_test, y_test)`` as uint8 arrays from the first folder of ``FASHION_MNIST`` that holds
+    the four IDX files (gzipped or not), or None."""
+    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    for folder in FASHION_MNIST:
+        paths = [next((p for p in (f"{folder}/{stem}.gz", f"{folder}/{stem}") if os.path.isfile(p)), None)
+                 for stem in stems]
+        if None in paths:
+            continue
+        arrays = []
+        for path in paths:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+                data = f.read()
+            ndim = data[3]  # an IDX file: 0, 0, the type (8: uint8), the number of dimensions, then each size
+            shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+            arrays.append(np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape))
+        x_train, y_train, x_test, y_test = arrays
+        return (x_train, y_train), (x_test, y_test)
+    return None

@@ -19,9 +19,11 @@ without them a fresh process's speed on a CPU moves with where its pages land.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -84,24 +86,59 @@ def compile_model(model: keras.Model, a: argparse.Namespace) -> None:
     model.compile(optimizer=keras.optimizers.Adam(schedule), loss="categorical_crossentropy", metrics=["accuracy"])
 
 
+def can_throttle() -> bool:
+    """Whether a CPU device can be slowed here (``cpu:1@0.5``): root, and a cgroup cpu controller (v1's
+    ``cpu.cfs_quota_us``, or ``cpu`` among v2's controllers)."""
+    if os.geteuid() != 0:
+        return False
+    root = Path("/sys/fs/cgroup")
+    if any((root / name / "cpu.cfs_quota_us").exists() for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")):
+        return True
+    controllers = [root / "cgroup.controllers", root / "unified" / "cgroup.controllers"]
+    return any(path.exists() and "cpu" in path.read_text().split() for path in controllers)
+
+
 def default_devices() -> tuple[list[str], str]:
     if cuda_device_count():
         return [f"cuda:{i}" for i in range(cuda_device_count())], "all GPUs"
-    from multigpu.throttle import cgroup_status
-
-    if os.geteuid() == 0 and "no writable" not in cgroup_status():
+    if can_throttle():
         return ["cpu:0", "cpu:1@0.5"], "two CPU devices, the second at half speed (cgroup CPU quota)"
     return ["cpu:0", "cpu:1"], "two CPU devices at full speed (no root or no cgroup cpu controller: cannot throttle)"
 
 
-def load_data(rows: int, say):
-    from idx_data import DataNotFoundError, load_mnist_like
+# Where Fashion-MNIST's four IDX files are looked for: Debian's dataset-fashion-mnist package, then Keras's cache.
+FASHION_MNIST = ["/usr/share/datasets/fashion-mnist", os.path.expanduser("~/.keras/datasets/fashion-mnist")]
 
-    try:
-        (x, y), (xt, yt) = load_mnist_like("fashion_mnist")
+
+def read_fashion_mnist() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
+    """``(x_train, y_train), (x_test, y_test)`` as uint8 arrays from the first folder of ``FASHION_MNIST`` that holds
+    the four IDX files (gzipped or not), or None."""
+    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    for folder in FASHION_MNIST:
+        paths = [next((p for p in (f"{folder}/{stem}.gz", f"{folder}/{stem}") if os.path.isfile(p)), None)
+                 for stem in stems]
+        if None in paths:
+            continue
+        arrays = []
+        for path in paths:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+                data = f.read()
+            ndim = data[3]  # an IDX file: 0, 0, the type (8: uint8), the number of dimensions, then each size
+            shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+            arrays.append(np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape))
+        x_train, y_train, x_test, y_test = arrays
+        return (x_train, y_train), (x_test, y_test)
+    return None
+
+
+def load_data(rows: int, say):
+    found = read_fashion_mnist()
+    if found is not None:
+        (x, y), (xt, yt) = found
         say(f"data: Fashion-MNIST, {min(rows, len(x))} of {len(x)} training images, {len(xt)} test images")
-    except DataNotFoundError as exc:
-        say(f"data: Fashion-MNIST not found ({exc}); using synthetic data instead")
+    else:
+        say(f"data: Fashion-MNIST not found (no IDX files in {' or '.join(FASHION_MNIST)}: apt-get install "
+            "dataset-fashion-mnist); using synthetic data instead")
         rng = np.random.default_rng(0)
         x = rng.integers(0, 255, size=(rows + 2000, 28, 28), dtype=np.uint8)
         y = (x[:, 10:18, 10:18].mean(axis=(1, 2)) / 26).astype("int64").clip(0, 9)

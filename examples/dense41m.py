@@ -4,9 +4,9 @@
     KERAS_BACKEND=torch python examples/dense41m.py --quick             # a narrow copy: about a minute on CPU
     KERAS_BACKEND=torch python examples/dense41m.py --devices cpu:0,cpu:1@0.5 --ratios 2,1
 
-The model is ``multigpu.bench.models.dense41m``: Dense(4000, tanh) on 8000 inputs, Dense(2000,
-relu), Dense(500, relu), Dense(300, relu), Dense(1, sigmoid), trained with binary
-cross-entropy and Adam on random data (``--width`` shrinks the hidden layers).  Every step
+The model (``build_model`` below) is Dense(4000, tanh) on 8000 inputs, Dense(2000, relu),
+Dense(500, relu), Dense(300, relu), Dense(1, sigmoid), trained with binary cross-entropy and
+Adam on random data (``--width`` shrinks the hidden layers).  Every step
 all-reduces 41 million gradients, so a small batch split over N devices mostly waits on
 communication; a batch that grows with N keeps every device's share as large as the single
 device's batch.  The script runs, each in its own processes (``parallelize`` happens once
@@ -30,11 +30,10 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
-from _common import add_device_arguments, apply_quick_defaults, run_worker, table_row
+import numpy as np
+from _common import PlannedDevice, add_device_arguments, apply_quick_defaults, plan_devices, run_worker, table_row
 
 import multigpu
-from multigpu.bench.models import dense41m, get_model
-from multigpu.devices import Device, assign_cores, parse_devices
 
 
 # ------------------------------------------------------------------ arguments
@@ -55,6 +54,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+# ---------------------------------------------------------------- model, data
+def build_model(width: float = 1.0) -> keras.Model:
+    """Dense(4000, tanh) on 8000 inputs, 2000, 500, 300, 1 (about 41M parameters; ``width`` scales the hidden
+    layers)."""
+    def units(n: int) -> int:
+        return max(1, round(n * width))
+
+    return keras.Sequential([
+        keras.Input((8000,)),
+        keras.layers.Dense(units(4000), activation="tanh"),
+        keras.layers.Dense(units(2000), activation="relu"),
+        keras.layers.Dense(units(500), activation="relu"),
+        keras.layers.Dense(units(300), activation="relu"),
+        keras.layers.Dense(1, activation="sigmoid"),
+    ], name="dense41m")
+
+
+def make_data(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random inputs and a learnable label: whether the first input is positive."""
+    x = np.random.default_rng(seed).normal(size=(rows, 8000)).astype("float32")
+    return x, (x[:, 0] > 0).astype("float32")[:, None]
+
+
 # --------------------------------------------------------------------- worker
 class StepClock(keras.callbacks.Callback):
     """End time of every training step."""
@@ -70,11 +92,10 @@ class StepClock(keras.callbacks.Callback):
 def worker(args: argparse.Namespace) -> None:
     """Trains ``warmup + steps`` steps at global batch ``args.batch_size``; rank 0 writes samples/s."""
     keras.utils.set_random_seed(0)
-    spec = get_model("dense41m")
-    model = dense41m(args.width)
+    model = build_model(args.width)
     model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios)
     model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
-    x, y = spec.data(args.batch_size * (args.warmup + args.steps), 0)  # random inputs, a learnable label
+    x, y = make_data(args.batch_size * (args.warmup + args.steps))
     clock = StepClock()
     hist = model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, callbacks=[clock], verbose=0)
     if multigpu.rank() == 0:
@@ -88,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------- driver
-def run_configuration(args: argparse.Namespace, devices: list[Device], ratios: str | list[float] | None,
+def run_configuration(args: argparse.Namespace, devices: list[PlannedDevice], ratios: str | list[float] | None,
                       batch_size: int) -> dict:
     """One configuration in fresh processes (the worker starts its other ranks itself)."""
     options = ["--batch-size", str(batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -101,16 +122,16 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    devices = assign_cores(parse_devices(args.devices))
+    devices = plan_devices(args.devices)
     n, b = len(devices), args.batch_size
     if n < 2:
         print("dense41m needs at least two devices to compare; it found "
-              f"{', '.join(d.label for d in devices)}.", flush=True)
+              f"{', '.join(d.spec for d in devices)}.", flush=True)
     configs = [("1 device", devices[:1], None, b)]
     if n > 1:
         configs += [(f"{n} devices, same batch", devices, args.ratios, b),
                     (f"{n} devices, batch x{n}", devices, args.ratios, n * b)]
-    print(f"dense41m at width {args.width} on {', '.join(d.label for d in devices)}: {args.steps} timed steps "
+    print(f"dense41m at width {args.width} on {', '.join(d.spec for d in devices)}: {args.steps} timed steps "
           f"per run after {args.warmup} warm-up steps", flush=True)
     results = []
     for name, devs, ratios, batch in configs:

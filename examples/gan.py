@@ -27,8 +27,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 import torch
-from _common import add_device_arguments, apply_quick_defaults
-from idx_data import DataNotFoundError, load_mnist_like
+from _common import FASHION_MNIST, add_device_arguments, apply_quick_defaults, read_fashion_mnist
 from keras import layers
 
 import multigpu
@@ -117,12 +116,14 @@ def build(latent_dim: int, width: int) -> tuple[keras.Model, keras.Model]:
 
 def load_images(rows: int | None) -> tuple[np.ndarray, np.ndarray, str]:
     """Fashion-MNIST train and test images in [0, 1], shape (N, 28, 28, 1); synthetic blobs without it."""
-    try:
-        (x_train, _), (x_test, _) = load_mnist_like("fashion_mnist")
+    found = read_fashion_mnist()
+    if found is not None:
+        (x_train, _), (x_test, _) = found
         source = "Fashion-MNIST"
-    except DataNotFoundError as exc:
+    else:
         if multigpu.rank() == 0:
-            print(f"Fashion-MNIST not used ({exc}); falling back to synthetic images.", flush=True)
+            print(f"Fashion-MNIST not used (no IDX files in {' or '.join(FASHION_MNIST)}: apt-get install "
+                  "dataset-fashion-mnist); falling back to synthetic images.", flush=True)
         rng = np.random.default_rng(0)
         grid = np.linspace(-1, 1, 28)
         centres = rng.uniform(-0.5, 0.5, size=(8000, 2, 1, 1))

@@ -4,7 +4,7 @@
     KERAS_BACKEND=torch python examples/gru_sequences.py --quick          # about a minute on 2 CPU cores
     KERAS_BACKEND=torch python examples/gru_sequences.py --devices cpu:0,cpu:1@0.5 --ratios auto
 
-For every batch size it trains the same model (``multigpu.bench.models.gru``: GRU, GRU, softmax)
+For every batch size it trains the same model (``build_model`` below: GRU, GRU, softmax)
 on 1 device and on all devices (and 2 in between when there are more than 2), each
 configuration in its own process: ``parallelize`` happens once per process, so the script
 runs itself with a hidden ``--worker`` flag for each configuration and reads back a JSON
@@ -25,11 +25,17 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
-from _common import EpochTimer, add_device_arguments, apply_quick_defaults, run_worker, steady_epoch_time
+from _common import (
+    EpochTimer,
+    PlannedDevice,
+    add_device_arguments,
+    apply_quick_defaults,
+    plan_devices,
+    run_worker,
+    steady_epoch_time,
+)
 
 import multigpu
-from multigpu.bench.models import gru
-from multigpu.devices import Device, assign_cores, parse_devices
 
 TIMESTEPS, FEATURES, CLASSES = 40, 16, 4
 
@@ -66,7 +72,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-# --------------------------------------------------------------------- worker
+# ---------------------------------------------------------------- model, data
+def build_model(width: float = 1.0) -> keras.Model:
+    """Two stacked GRUs (64 units at width 1) and a softmax over the classes."""
+    units = max(1, round(64 * width))
+    return keras.Sequential([
+        keras.Input((TIMESTEPS, FEATURES)),
+        keras.layers.GRU(units, return_sequences=True),
+        keras.layers.GRU(units),
+        keras.layers.Dense(CLASSES, activation="softmax"),
+    ], name="gru")
+
+
 def make_sequences(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Noisy sequences whose class is the feature that is raised, weakly, at every step."""
     rng = np.random.default_rng(seed)
@@ -76,11 +93,12 @@ def make_sequences(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y.astype("int64")
 
 
+# --------------------------------------------------------------------- worker
 def worker(args: argparse.Namespace) -> None:
     """One configuration: trains on ``args.devices`` at ``args.batch_size``; rank 0 writes JSON."""
     keras.utils.set_random_seed(0)
     x, y = make_sequences(args.rows)
-    model = gru(args.width, timesteps=TIMESTEPS, features=FEATURES, classes=CLASSES)
+    model = build_model(args.width)
     model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     timer = EpochTimer()
@@ -98,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------- driver
-def run_configuration(args: argparse.Namespace, devices: list[Device], ratios: str | list[float] | None,
+def run_configuration(args: argparse.Namespace, devices: list[PlannedDevice], ratios: str | list[float] | None,
                       batch_size: int) -> dict:
     """One configuration in fresh processes (the worker starts its other ranks itself)."""
     options = ["--batch-size", str(batch_size), "--rows", str(args.rows), "--epochs", str(args.epochs),
@@ -125,10 +143,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    devices = assign_cores(parse_devices(args.devices))
+    devices = plan_devices(args.devices)
     counts = device_counts(len(devices))
     print(f"GRU on {args.rows} synthetic sequences of {TIMESTEPS}x{FEATURES}, {args.epochs} epoch(s), "
-          f"devices {', '.join(d.label for d in devices)}; batch sizes {args.batch_sizes}", flush=True)
+          f"devices {', '.join(d.spec for d in devices)}; batch sizes {args.batch_sizes}", flush=True)
     rows = []
     for batch_size in args.batch_sizes:
         base = None

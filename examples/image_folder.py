@@ -25,8 +25,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 import tensorflow as tf
-from _common import add_device_arguments, apply_quick_defaults
-from idx_data import DataNotFoundError, load_mnist_like
+from _common import add_device_arguments, apply_quick_defaults, read_fashion_mnist
 
 import multigpu
 
@@ -41,10 +40,11 @@ def write_folder(folder: str, per_class: int) -> str:
     """
     if os.path.isdir(folder):
         return "written earlier"
-    try:
-        (images, labels), _ = load_mnist_like("fashion_mnist")
+    found = read_fashion_mnist()
+    if found is not None:
+        (images, labels), _ = found
         source = "Fashion-MNIST"
-    except DataNotFoundError:
+    else:
         rng = np.random.default_rng(0)
         labels = np.repeat(np.arange(len(CLASSES)), per_class)
         images = np.clip(rng.normal(20 * labels[:, None, None], 40, size=(len(labels), 28, 28)), 0, 255)

@@ -5,8 +5,8 @@
     KERAS_BACKEND=torch python examples/maxing.py --devices cpu:0,cpu:1@0.5 --recalibrate
     KERAS_BACKEND=torch python examples/maxing.py --ratios 2,1              # given ratios, no measuring
 
-The model is ``multigpu.bench.models.maxing``: a convnet with far more layers than it needs, so
-that every device has plenty to do.  With ``--ratios auto`` (the default here) each device
+The model (``build_model`` below) is a convnet with far more layers than it needs, so that every
+device has plenty to do, trained on synthetic 32x32x3 images.  With ``--ratios auto`` (the default here) each device
 times a few solo steps at the first training step and the shares follow the measured
 speeds; the result is kept in a profile (``--profile``, default
 ``~/.cache/multigpu/profiles.json``) so the next run starts balanced without measuring, and
@@ -25,10 +25,12 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
+import numpy as np
 from _common import add_device_arguments, apply_quick_defaults, shares_text, table_row
 
 import multigpu
-from multigpu.bench.models import get_model, maxing
+
+CLASSES = 10
 
 
 # ------------------------------------------------------------------ arguments
@@ -51,6 +53,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(a.depth, a.rows, a.batch_size, a.epochs) < 1 or a.width <= 0:
         p.error("--depth, --rows, --batch-size and --epochs must be positive, --width above 0")
     return a
+
+
+# ---------------------------------------------------------------- model, data
+def build_model(width: float = 1.0, depth: int = 12) -> keras.Model:
+    """``depth`` convolutions of 64 filters (at width 1) on 32x32x3 images, pooled, and a softmax."""
+    layers: list = [keras.Input((32, 32, 3))]
+    for _ in range(depth):
+        layers.append(keras.layers.Conv2D(max(1, round(64 * width)), 3, padding="same", activation="relu"))
+    layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(CLASSES, activation="softmax")]
+    return keras.Sequential(layers, name="maxing")
+
+
+def make_data(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random images and a learnable label: which of ``CLASSES`` equal slices of the pixels has the largest sum."""
+    x = np.random.default_rng(seed).normal(size=(rows, 32, 32, 3)).astype("float32")
+    flat = x.reshape(rows, -1)
+    usable = flat[:, : flat.shape[1] - flat.shape[1] % CLASSES]
+    return x, usable.reshape(rows, CLASSES, -1).sum(axis=2).argmax(axis=1).astype("int64")
 
 
 # ------------------------------------------------------------------ callbacks
@@ -97,12 +117,11 @@ class Throughput(keras.callbacks.Callback):
 def main() -> None:
     args = parse_args()
     keras.utils.set_random_seed(0)
-    spec = get_model("maxing")
-    model = maxing(args.width, depth=args.depth)
+    model = build_model(args.width, depth=args.depth)
     model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios, recalibrate=args.recalibrate,
                                  profile=args.profile, report=not args.no_report)
-    spec.compile(model)  # Adam, sparse categorical cross-entropy, accuracy
-    x, y = spec.data(args.rows, 0)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = make_data(args.rows)
     state = multigpu.state(model)
     devices = state.devices
     if multigpu.rank() == 0:

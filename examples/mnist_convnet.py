@@ -4,10 +4,11 @@
     KERAS_BACKEND=torch python examples/mnist_convnet.py --quick               # about a minute on 2 CPU cores
     KERAS_BACKEND=torch python examples/mnist_convnet.py --devices cpu:0,cpu:1@0.5 --ratios 2,1
 
-It is the convnet of Keras's old multi-GPU MNIST example (``multigpu.bench.models.convnet``;
-``--width`` scales its filter counts), trained on Fashion-MNIST as installed by Debian's
-``dataset-fashion-mnist`` package (or in Keras's cache); without the files it says so and
-trains on synthetic data of the same shape.
+It is the convnet of Keras's old multi-GPU MNIST example (``build_model`` below; ``--width``
+scales its filter counts), trained on Fashion-MNIST as installed by Debian's
+``dataset-fashion-mnist`` package (or in Keras's cache), read by the few lines of
+``read_fashion_mnist``; without the files it says so and trains on synthetic data of the same
+shape.
 
 One process can parallelize only once, so the script first trains on the first device alone
 by running itself in a subprocess (``--devices FIRST --result-json PATH``, bound to that
@@ -27,20 +28,20 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 from _common import (
+    FASHION_MNIST,
     EpochTimer,
+    PlannedDevice,
     add_device_arguments,
     apply_quick_defaults,
+    plan_devices,
+    read_fashion_mnist,
     run_worker,
     shares_text,
     steady_epoch_time,
     table_row,
 )
-from idx_data import DataNotFoundError, load_mnist_like
 
 import multigpu
-from multigpu import env as multigpu_env
-from multigpu.bench.models import convnet, get_model
-from multigpu.devices import Device, assign_cores, parse_devices
 
 CLASSES = 10
 
@@ -66,23 +67,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+# ---------------------------------------------------------------------- model
+def build_model(width: float = 1.0) -> keras.Model:
+    """The convnet of Keras's multi-GPU MNIST example; ``width`` scales its filter counts."""
+    def filters(n: int) -> int:
+        return max(1, round(n * width))
+
+    layers = keras.layers
+    inputs = keras.Input((28, 28, 1))
+    h = layers.Conv2D(filters(32), 3, activation="relu")(inputs)
+    h = layers.Conv2D(filters(256), 3, activation="relu")(h)
+    h = layers.BatchNormalization()(h)
+    h = layers.Conv2D(filters(128), 3, activation="relu")(h)
+    h = layers.MaxPooling2D(2)(h)
+    h = layers.Dropout(0.25)(h)
+    h = layers.Flatten()(h)
+    h = layers.Dense(128, activation="relu")(h)
+    h = layers.Dropout(0.5)(h)
+    outputs = layers.Dense(CLASSES, activation="softmax")(h)
+    return keras.Model(inputs, outputs, name="convnet")
+
+
 # ----------------------------------------------------------------------- data
+def synthetic_data(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Images in [0, 1] and one-hot labels: which of ten equal slices of the first 780 pixels has the largest sum."""
+    x = np.random.default_rng(seed).normal(size=(rows, 28, 28, 1)).astype("float32")
+    labels = x.reshape(rows, -1)[:, :780].reshape(rows, CLASSES, -1).sum(axis=2).argmax(axis=1)
+    return 1 / (1 + np.exp(-x)), np.eye(CLASSES, dtype="float32")[labels]  # squashed into [0, 1] like pixels
+
+
 def load_data(args: argparse.Namespace) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], str]:
     """Train and test arrays: images in [0, 1] of shape (N, 28, 28, 1), one-hot labels."""
     source = "Fashion-MNIST"
-    try:
-        if args.synthetic:
-            raise DataNotFoundError("synthetic data requested (--synthetic)")
-        (x_train, y_train), (x_test, y_test) = load_mnist_like("fashion_mnist")
-    except DataNotFoundError as exc:
+    found = None if args.synthetic else read_fashion_mnist()
+    if found is None:
         if multigpu.rank() == 0:
-            print(f"Fashion-MNIST not used ({exc}); falling back to synthetic data.", flush=True)
-        make = get_model("convnet").data  # standard-normal images, one-hot labels
-        x_train, y_train = make(args.train_rows or 6000, 0)
-        x_test, y_test = make(args.test_rows or 1000, 1)
-        x_train = 1 / (1 + np.exp(-x_train))  # squash into [0, 1] like pixel values
-        x_test = 1 / (1 + np.exp(-x_test))
-        return (x_train.astype("float32"), y_train), (x_test.astype("float32"), y_test), "synthetic"
+            why = ("synthetic data requested (--synthetic)" if args.synthetic else
+                   f"no IDX files in {' or '.join(FASHION_MNIST)}: apt-get install dataset-fashion-mnist")
+            print(f"Fashion-MNIST not used ({why}); falling back to synthetic data.", flush=True)
+        return synthetic_data(args.train_rows or 6000, 0), synthetic_data(args.test_rows or 1000, 1), "synthetic"
+    (x_train, y_train), (x_test, y_test) = found
 
     def prepare(images: np.ndarray, labels: np.ndarray, rows: int | None) -> tuple[np.ndarray, np.ndarray]:
         images, labels = images[:rows], labels[:rows]
@@ -98,9 +122,9 @@ def train(args: argparse.Namespace) -> dict:
     """Trains on ``args.devices`` and returns rank 0's result (every rank trains)."""
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_test, y_test), source = load_data(args)
-    model = convnet(args.width)
+    model = build_model(args.width)
     model = multigpu.parallelize(model, devices=args.devices, ratios=args.ratios)
-    get_model("convnet").compile(model)  # RMSprop, categorical cross-entropy, accuracy
+    model.compile(optimizer="rmsprop", loss="categorical_crossentropy", metrics=["accuracy"])
     state = multigpu.state(model)
     timer = EpochTimer()
     if multigpu.rank() == 0:
@@ -122,11 +146,11 @@ def train(args: argparse.Namespace) -> dict:
 
 # ------------------------------------------------------------ one-device run
 def launched_by_another_tool() -> bool:
-    """True under ``multigpu run`` or ``torchrun``: every rank is already started."""
-    return multigpu_env.RANK in os.environ or all(os.environ.get(v) for v in multigpu_env.TORCHRUN_VARS)
+    """True under ``multigpu run``, ``torchrun``, ``srun`` or ``mpirun``: every rank is already started."""
+    return multigpu.world_size() > 1
 
 
-def run_in_subprocess(args: argparse.Namespace, devices: list[Device]) -> dict:
+def run_in_subprocess(args: argparse.Namespace, devices: list[PlannedDevice]) -> dict:
     """This script on ``devices``, in fresh processes bound to those devices' cores."""
     options = ["--width", str(args.width), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     for flag, value in (("--train-rows", args.train_rows), ("--test-rows", args.test_rows)):
@@ -159,7 +183,7 @@ def main() -> None:
         if multigpu.rank() == 0:
             Path(args.result_json).write_text(json.dumps(result))
         return
-    devices = assign_cores(parse_devices(args.devices))
+    devices = plan_devices(args.devices)
     if args.no_baseline or len(devices) < 2 or launched_by_another_tool():
         if len(devices) < 2:
             print("Only one device: nothing to compare against.", flush=True)
@@ -170,7 +194,7 @@ def main() -> None:
             print_comparison(None, many)
         return
     # Both runs in fresh processes, one after the other, so that nothing else runs while each is timed.
-    print(f"== one device ({devices[0].label}) ==", flush=True)
+    print(f"== one device ({devices[0].spec}) ==", flush=True)
     one = run_in_subprocess(args, devices[:1])
     print(f"\n== all {len(devices)} devices ==", flush=True)
     many = run_in_subprocess(args, devices)

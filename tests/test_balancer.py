@@ -196,6 +196,12 @@ def test_profile_round_trip_and_bad_profiles(tmp_path):
     write_profile(path, "abc@cpu:0,cpu:1@0.5", entry)
     assert read_profile(path, "abc@cpu:0,cpu:1@0.5", ["cpu:0", "cpu:1@0.5"]) == entry
     assert read_profile(path) == entry
+    write_profile(path, "def@cpu:0,cpu:1", {**entry, "devices": ["cpu:0", "cpu:1"]})
+    with pytest.raises(ProfileError) as two:  # `ratios=PATH` takes one entry: the message says how to choose
+        read_profile(path)
+    assert "has 2 entries (devices: cpu:0,cpu:1@0.5; cpu:0,cpu:1)" in str(two.value)
+    assert f'`ratios="auto", profile="{path}"`' in str(two.value) and "`ratios=[3, 1]`" in str(two.value)
+    assert "multigpu calibrate --profile NEW.json" in str(two.value)
     with pytest.raises(ProfileError, match="measured on devices"):
         read_profile(path, "abc@cpu:0,cpu:1@0.5", ["cpu:0", "cpu:1"])
     with pytest.raises(ProfileError, match="no entry"):

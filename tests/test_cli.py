@@ -127,8 +127,10 @@ def test_a_misused_command_line_exits_2_with_one_line(argv, capsys):
     assert len(err.strip().splitlines()) == 1 and "error:" in err, err
 
 
-@pytest.mark.parametrize(("module", "extra"), [("jax", "jax"), ("tensorflow", "tensorflow"), ("matplotlib", "plot")])
-def test_a_backend_that_is_not_installed_names_the_extra_to_install(module, extra, capsys, monkeypatch):
+@pytest.mark.parametrize(("module", "package"), [("jax", "jax"), ("jaxlib", "jax"), ("tensorflow", "tensorflow"),
+                                                 ("matplotlib", "matplotlib")])
+def test_a_backend_that_is_not_installed_names_the_package_to_install(module, package, capsys, monkeypatch):
+    """The hint names the framework's own package, which pip finds on PyPI, in the versions pyproject.toml allows."""
     from multigpu.cli import devices
     from multigpu.cli.main import main
 
@@ -138,7 +140,11 @@ def test_a_backend_that_is_not_installed_names_the_extra_to_install(module, extr
     monkeypatch.setattr(devices, "run", missing)
     assert main(["devices"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"pip install 'keras-multigpu[{extra}]'" in err, err
+    assert err.count("\n") == 1 and f"pip install '{package}" in err and "keras-multigpu" not in err, err
+    from importlib.metadata import requires
+
+    pinned = [r.split(";")[0].replace(" ", "") for r in requires("keras-multigpu") if r.startswith(package)]
+    assert f"pip install '{pinned[0]}'" in err, (pinned, err)  # the range of the extra, e.g. jax<0.11,>=0.5
 
 
 def test_every_command_says_what_it_does_with_an_example(capsys):

@@ -1,4 +1,4 @@
-"""The IDX loader, on small IDX files the tests write."""
+"""The examples' Fashion-MNIST reader (``examples/_common.py``), on small IDX files the tests write."""
 
 import gzip
 import struct
@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from examples.idx_data import DataNotFoundError, find_idx_folder, load_idx, load_mnist_like
+from examples import _common
 
 
 def write_idx(path, array: np.ndarray, compress: bool) -> None:
@@ -35,32 +35,21 @@ def make_set(folder, rows=(7, 3), compress=True):
 
 
 @pytest.mark.parametrize("compress", [True, False])
-def test_reads_what_was_written(tmp_path, compress):
-    arrays = make_set(tmp_path, compress=compress)
-    (x, y), (xt, yt) = load_mnist_like("fashion_mnist", folder=tmp_path)
-    np.testing.assert_array_equal(x, arrays["train"][0])
-    np.testing.assert_array_equal(y, arrays["train"][1])
-    np.testing.assert_array_equal(xt, arrays["t10k"][0])
-    assert yt.shape == (3,) and x.dtype == np.uint8
+def test_reads_the_first_folder_that_holds_the_four_files(tmp_path, monkeypatch, compress):
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "full").mkdir()
+    write_idx(tmp_path / "partial" / "train-images-idx3-ubyte", np.zeros((2, 28, 28), np.uint8), compress)
+    arrays = make_set(tmp_path / "full", compress=compress)
+    monkeypatch.setattr(_common, "FASHION_MNIST", [str(tmp_path / "missing"), str(tmp_path / "partial"),
+                                                   str(tmp_path / "full")])
+    (x_train, y_train), (x_test, y_test) = _common.read_fashion_mnist()
+    np.testing.assert_array_equal(x_train, arrays["train"][0])
+    np.testing.assert_array_equal(y_train, arrays["train"][1])
+    np.testing.assert_array_equal(x_test, arrays["t10k"][0])
+    np.testing.assert_array_equal(y_test, arrays["t10k"][1])
+    assert x_train.shape == (7, 28, 28) and y_test.shape == (3,)
 
 
-def test_other_dtypes(tmp_path):
-    values = np.arange(12, dtype=">f4").reshape(3, 4)
-    write_idx(tmp_path / "f", values, compress=False)
-    np.testing.assert_array_equal(load_idx(tmp_path / "f"), values.astype("float32"))
-
-
-def test_bad_files_and_missing_data_give_clear_errors(tmp_path, monkeypatch):
-    (tmp_path / "bad").write_bytes(b"\x12\x34\x56\x78rest")
-    with pytest.raises(ValueError, match="not an IDX file"):
-        load_idx(tmp_path / "bad")
-    short = bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 3
-    (tmp_path / "short").write_bytes(short)
-    with pytest.raises(ValueError, match="header says"):
-        load_idx(tmp_path / "short")
-    monkeypatch.setattr("examples.idx_data._DEBIAN", {"fashion_mnist": str(tmp_path / "no"), "mnist": "x"})
-    monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(DataNotFoundError, match="apt-get install dataset-fashion-mnist"):
-        find_idx_folder("fashion_mnist", tmp_path / "empty")
-    with pytest.raises(ValueError, match="'fashion_mnist' or 'mnist'"):
-        load_mnist_like("train_images")
+def test_no_folder_with_the_four_files_reads_as_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(_common, "FASHION_MNIST", [str(tmp_path / "missing"), str(tmp_path)])
+    assert _common.read_fashion_mnist() is None

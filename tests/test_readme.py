@@ -50,7 +50,7 @@ def test_the_tutorial_runs_as_written_on_two_unequal_devices(runner):
 def test_the_readme_stays_short_and_points_to_the_documentation():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
-    for needed in ("pip install keras-multigpu", "multigpu.parallelize(model)", "multigpu.rank()", "make docs",
+    for needed in ("pip install .", "multigpu.parallelize(model)", "multigpu.rank()", "make docs",
                    "CONTRIBUTING.md"):
         assert needed in text, needed
 

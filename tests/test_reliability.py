@@ -117,6 +117,9 @@ def test_every_failure_ends_the_run_within_its_timeout(runner, mode):
     took = time.monotonic() - started
     assert res.returncode == 1, res.stdout
     assert re.search(pattern, res.stdout), res.stdout[-3000:]
+    if mode in ("sleep", "catch"):  # a timeout names its commonest cause (a call on rank 0 only) and the fixes
+        assert "`if multigpu.rank() == 0:`" in res.stdout and "make the call on every rank" in res.stdout
+        assert "`multigpu run --timeout SECONDS`" in res.stdout, res.stdout[-3000:]
     assert "finished training" not in res.stdout
     assert "caught" not in res.stdout  # a collective's timeout is not an exception for the script
     assert took < limit + 15, took  # start-up (about 10 s on 2 cores) plus the limit

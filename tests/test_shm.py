@@ -41,6 +41,9 @@ def test_a_rank_that_never_comes_times_out_the_others(runner):
     res = runner.finish(procs[0], timeout=40)
     assert res.returncode == 1
     assert "TimeoutError: rank(s) [1] did not reach the collective within 3 s" in res.stdout
+    # the commonest cause and the fix follow: a call made under `if multigpu.rank() == 0:`, and the longer wait
+    assert "`if multigpu.rank() == 0:`" in res.stdout and "make the call on every rank" in res.stdout, res.stdout
+    assert "timeout=SECONDS" in res.stdout and "multigpu run --timeout SECONDS" in res.stdout
     assert time.monotonic() - started < 20
     procs[1].kill()
     runner.finish(procs[1], timeout=10)

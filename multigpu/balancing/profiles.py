@@ -74,7 +74,13 @@ def read_profile(path: str | os.PathLike, key: str | None = None, device_specs: 
         raise ProfileError(f"the profile {path} is not a multigpu profile (version {PROFILE_VERSION})")
     if key is None:
         if len(entries) != 1:
-            raise ProfileError(f"the profile {path} has {len(entries)} entries; name one")
+            kept = "; ".join(",".join(map(str, e.get("devices", []))) for e in entries.values() if isinstance(e, dict))
+            raise ProfileError(
+                f"the profile {path} has {len(entries)} entries (devices: {kept or 'none'}), and `ratios=PATH` "
+                "takes a file of one entry. To use the entry of this model and these devices, pass "
+                f"`ratios=\"auto\", profile=\"{path}\"` (measured and added to it where it has none); else pass "
+                "an entry's \"ratios\" as a list (`ratios=[3, 1]`), or a file of one entry (`multigpu calibrate "
+                "--profile NEW.json` writes one)")
         entry = next(iter(entries.values()))
     elif key not in entries:
         raise ProfileError(f"the profile {path} has no entry for this model and these devices")

@@ -247,7 +247,7 @@ def _plot(rows, path: Path, title: str, even: int | None) -> bool:
     try:
         import matplotlib
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install matplotlib, or pip install 'keras-multigpu[plot]')")
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

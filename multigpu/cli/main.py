@@ -9,6 +9,7 @@ received and what is allowed.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from multigpu.cli import bench as bench_cmd
@@ -20,8 +21,9 @@ from multigpu.log import print_always
 
 _COMMANDS = {"run": run_cmd, "devices": devices_cmd, "bench": bench_cmd, "calibrate": calibrate_cmd}
 _DEVICE_FLAGS = ("--devices", "--gpus")
-# The pip extra that brings a module multigpu may need but does not require.
-_EXTRAS = {"jax": "jax", "jaxlib": "jax", "tensorflow": "tensorflow", "matplotlib": "plot"}
+# The extra of pyproject.toml (and the package in it) that brings a module multigpu may need but does not require.
+_EXTRAS = {"jax": ("jax", "jax"), "jaxlib": ("jax", "jax"), "tensorflow": ("tensorflow", "tensorflow"),
+           "matplotlib": ("plot", "matplotlib")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,11 +68,31 @@ def join_device_lists(argv: list[str]) -> list[str]:
     return out
 
 
+def _pinned(extra: str, package: str) -> str:
+    """``package`` with the versions the extra ``extra`` of multigpu's pyproject.toml allows (``jax<0.11,>=0.5``),
+    else its bare name (multigpu not installed as a distribution)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        lines = requires("keras-multigpu") or []
+    except PackageNotFoundError:
+        return package
+    for line in lines:
+        requirement, _, marker = line.partition(";")
+        name = re.match(r"[A-Za-z0-9_.-]*", requirement.strip()).group()
+        if name == package and re.search(rf"""extra\s*==\s*["']{extra}["']""", marker):
+            return requirement.strip().replace(" ", "")
+    return package
+
+
 def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The hint for a module that multigpu may need but does not require: the framework's own package, which pip
+    installs from PyPI (multigpu's extras are in its pyproject.toml, for a checkout: ``pip install -e ".[jax]"``)."""
     top = (exc.name or "").split(".")[0]
     if top in _EXTRAS:
-        return (f"{top} is not installed; install it with: pip install 'keras-multigpu[{_EXTRAS[top]}]'"
-                + (" (or choose another backend with KERAS_BACKEND)" if _EXTRAS[top] != "plot" else ""))
+        extra, package = _EXTRAS[top]
+        return (f"{top} is not installed; install it with: pip install '{_pinned(extra, package)}'"
+                + (" (or choose another backend with KERAS_BACKEND)" if extra != "plot" else ""))
     return None
 
 

@@ -36,7 +36,18 @@ from multigpu.engine.shm import DTYPES as _SHM_DTYPES
 from multigpu.engine.shm import CollectiveMismatchError, SharedMemory
 from multigpu.membership import PeerLostError
 
-__all__ = ["CollectiveMismatchError", "Comm"]
+__all__ = ["CollectiveMismatchError", "Comm", "timeout_hint"]
+
+
+def timeout_hint(seconds: float) -> str:
+    """What follows a collective's timeout: its commonest cause, the fix, and how to wait longer."""
+    return ("\nCommonest cause: a call every rank must make was made on some ranks only, e.g. under "
+            "`if multigpu.rank() == 0:` (Keras's `model.save`, `save_weights`, `evaluate`, `predict`, or a "
+            "`ModelCheckpoint` callback given to one rank's fit), so the other ranks never reach it. Fix: make the "
+            "call on every rank; multigpu writes files from rank 0 only. If a rank is only slow (loading data, a "
+            f"long first step), give it longer than {seconds:g} s: `multigpu.parallelize(model, timeout=SECONDS)` "
+            "or `multigpu run --timeout SECONDS`.")
+
 
 class Comm:
     """The collectives of one parallel run.
@@ -195,8 +206,9 @@ class Comm:
         if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
             first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
                      f"(gloo: {first.rsplit('] ', 1)[-1]})")
-            failure.fail(f"{what} failed: TimeoutError: {first}")
-        failure.fail(f"{what} failed: {type(exc).__name__}: {first}")
+            failure.fail(f"{what} failed: TimeoutError: {first}{timeout_hint(self.runtime.timeout)}")
+        hint = timeout_hint(self.runtime.timeout) if isinstance(exc, TimeoutError) else ""
+        failure.fail(f"{what} failed: {type(exc).__name__}: {first}{hint}")
 
     def _again_after_loss(self, call: Callable[[], object]):
         """``call()``, made again over the survivors when a peer is lost during it (for collectives whose

@@ -164,8 +164,13 @@ class StepPlanner:
         if plan.local != local_rows:
             self._queue.clear()
             raise RuntimeError(
-                f"multigpu: rank {self.rank} received a batch of {local_rows} rows but its plan gives it "
-                f"{plan.local} ({list(plan.sizes)}); batches must reach the step in the order they were cut."
+                f"multigpu: rank {self.rank}'s training step received a batch of {local_rows} rows, but the next "
+                f"batch that fit() or train_on_batch() cut gives this rank {plan.local} ({list(plan.sizes)}): the "
+                "step was not given the batches they read, in their order. This happens when training steps are "
+                "driven outside them while they run: train_on_batch(), train_step() or train_function() called "
+                "from a callback or another thread during fit(), or a loop of your own calling train_step() on "
+                "batches of its own. Train only through the parallel model's fit() or train_on_batch(), one call "
+                "at a time."
             )
         return plan
 

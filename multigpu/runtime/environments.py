@@ -62,6 +62,9 @@ class Environment:
 
     #: The launcher's name, for messages ("torchrun", "SLURM", ...).
     name = "launcher"
+    #: The launcher in a sentence, and the variables multigpu reads from it, for messages.
+    title = "a launcher"
+    needs = ""
     #: Whether the launcher lists every rank's device (multigpu's supervisor); the others' ranks gather them.
     knows_every_device = False
 
@@ -85,11 +88,15 @@ class Environment:
         return f"{self.name}: rank {self.rank} of {self.world_size}, local rank {self.local_rank} of {self.local_size}"
 
 
+class _UnsetError(ValueError):
+    """A variable the launcher found should have set (named in :func:`detect`'s message)."""
+
+
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
     text = environ.get(name)
     if text is None or text == "":
         if default is None:
-            raise ValueError(f"multigpu: the launcher did not set {name}")
+            raise _UnsetError(name)
         return default
     try:
         return int(text)
@@ -109,6 +116,9 @@ class Supervised(Environment):
     """A rank started by multigpu's supervisor (``MULTIGPU_RANK``)."""
 
     name = "multigpu"
+    title = "multigpu's supervisor"
+    needs = (f"{env.RANK} and {env.WORLD_SIZE}, which it sets for the ranks it starts; a {env.RANK} exported in "
+             "your shell or left by another run makes a plain process look like one of its ranks: unset it")
     knows_every_device = True
 
     @property
@@ -132,7 +142,9 @@ class TorchRun(Environment):
     """torchrun, or a launcher that sets torch's variables (Kubernetes' PyTorchJob: no local rank, one process
     per pod)."""
 
-    name = "torchrun"
+    name = title = "torchrun"
+    needs = ("RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and LOCAL_RANK, LOCAL_WORLD_SIZE where a machine runs "
+             "several)")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -166,6 +178,9 @@ class Slurm(Environment):
     taken for a rank)."""
 
     name = "SLURM"
+    title = "SLURM's srun"
+    needs = ("SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_ID and SLURM_JOB_ID (and SLURM_LOCALID, SLURM_NODELIST), which "
+             "`srun` sets for each task of a job step")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -202,6 +217,9 @@ class Mpi(Environment):
     """A process of ``mpirun``: Open MPI's variables, or PMI's (MPICH, Intel MPI)."""
 
     name = "MPI"
+    title = "mpirun (Open MPI or PMI)"
+    needs = ("Open MPI's OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE (and OMPI_COMM_WORLD_LOCAL_RANK, "
+             "OMPI_COMM_WORLD_LOCAL_SIZE), which its `mpirun` sets, or PMI's PMI_RANK and PMI_SIZE (MPICH, Intel MPI)")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -242,7 +260,13 @@ def detect(environ: Mapping[str, str]) -> Environment | None:
     """
     for launcher in LAUNCHERS:
         if launcher.detect(environ):
-            found = launcher.read(environ)
+            try:
+                found = launcher.read(environ)
+            except _UnsetError as exc:
+                raise ValueError(
+                    f"multigpu: this process looks started by {launcher.title}, but {exc} is not set. From it, "
+                    f"multigpu reads {launcher.needs}. Start the script through the launcher itself, or unset the "
+                    "variables that make it look so") from None
             if found.world_size > 1 or launcher is Supervised:
                 return found
             return None

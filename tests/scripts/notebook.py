@@ -159,7 +159,7 @@ def main() -> int:
         result = run_cells(nb, NotebookClient(nb, **kw), interrupt_after=8.0, kill=a.mode == "kill")
     else:
         os.environ["MULTIGPU_NOTEBOOK_QUICK"] = "1"
-        kw["resources"]["metadata"]["path"] = str(REPO / "examples")  # as Jupyter runs it: beside idx_data.py
+        kw["resources"]["metadata"]["path"] = str(REPO / "examples")  # as Jupyter runs it: in the examples' folder
         nb = nbformat.read(REPO / "examples" / "notebook.ipynb", as_version=4)
         result = run_cells(nb, NotebookClient(nb, **kw))
     Path(a.out).write_text(json.dumps(result, indent=1))
