@@ -308,3 +308,17 @@ def test_the_search_settles_within_two_epochs_or_40_steps_and_a_later_fit_keeps_
     feed(b, (200, 100), 30, batch=256)
     assert b.ratios == pytest.approx(kept)
     assert not any("scanning" in line or "kept" in line for line in lines[before:]), lines[before:]
+
+
+def test_a_profile_entry_belongs_to_one_keras_backend(monkeypatch):
+    """The same model on the same devices computes at other speeds on another backend: its entry is its own."""
+    import keras
+
+    from multigpu import env
+    from multigpu.balancing.profiles import model_signature
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    here = model_signature(model)
+    assert model_signature(model) == here
+    monkeypatch.setattr(env, "keras_backend", lambda: "tensorflow-elsewhere")
+    assert model_signature(model) != here

@@ -1,8 +1,10 @@
 """Profiles: measured speeds and shares kept in a JSON file between runs.
 
-An entry is keyed by the model's signature (class, weight paths, shapes and
-dtypes) and the device list, so the next run of the same model on the same
-devices starts from the shares the last one found.  Nothing is ever
+An entry is keyed by the model's signature (the Keras backend, the model's
+class, weight paths, shapes and dtypes) and the device list, so the next run
+of the same model on the same devices and backend starts from the shares the
+last one found (the same model computes at other speeds on another backend:
+TensorFlow ran the demo's convnet at 3.3 times torch's samples/s).  Nothing is ever
 unpickled: profiles are JSON, written atomically (temporary file, rename).
 """
 
@@ -35,8 +37,10 @@ def default_profile_path() -> Path:
 
 
 def model_signature(model) -> str:
-    """A short hash of the model's class, weight paths, shapes and dtypes."""
-    parts = [type(model).__name__]
+    """A short hash of the Keras backend, the model's class, weight paths, shapes and dtypes."""
+    from multigpu import env
+
+    parts = [env.keras_backend(), type(model).__name__]
     for v in model.trainable_variables:
         parts.append(f"{v.path}:{tuple(v.shape)}:{v.dtype}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
