@@ -97,6 +97,12 @@ OUTSIDE = {
         "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
     "test_splits.py::test_every_split_of_a_batch_of_64_reproduces_one_device[tensorflow]":
         "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[tensorflow-cpu:0,cpu:1-3,1-auto]":
+        "the optimizer in parts on torch, through the same neutral code (backend/sharding.py), stays",
+    "test_inputs.py::test_loaders_with_workers_reproduce_one_device[jax-3,1]":
+        "loaders with workers on torch stay (the data path is neutral)",
+    "test_recipes.py::test_mixed_precision_steps_equal_one_devices_to_float16_rounding":
+        "gradient accumulation and TensorBoard from the same example stay; mixed precision runs in test_sharding",
 }
 
 
