@@ -19,11 +19,9 @@ without them a fresh process's speed on a CPU moves with where its pages land.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -39,6 +37,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import keras
 import numpy as np
+from _common import FASHION_MNIST, read_fashion_mnist
 
 import multigpu
 
@@ -104,31 +103,6 @@ def default_devices() -> tuple[list[str], str]:
     if can_throttle():
         return ["cpu:0", "cpu:1@0.5"], "two CPU devices, the second at half speed (cgroup CPU quota)"
     return ["cpu:0", "cpu:1"], "two CPU devices at full speed (no root or no cgroup cpu controller: cannot throttle)"
-
-
-# Where Fashion-MNIST's four IDX files are looked for: Debian's dataset-fashion-mnist package, then Keras's cache.
-FASHION_MNIST = ["/usr/share/datasets/fashion-mnist", os.path.expanduser("~/.keras/datasets/fashion-mnist")]
-
-
-def read_fashion_mnist() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None:
-    """``(x_train, y_train), (x_test, y_test)`` as uint8 arrays from the first folder of ``FASHION_MNIST`` that holds
-    the four IDX files (gzipped or not), or None."""
-    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-    for folder in FASHION_MNIST:
-        paths = [next((p for p in (f"{folder}/{stem}.gz", f"{folder}/{stem}") if os.path.isfile(p)), None)
-                 for stem in stems]
-        if None in paths:
-            continue
-        arrays = []
-        for path in paths:
-            with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-                data = f.read()
-            ndim = data[3]  # an IDX file: 0, 0, the type (8: uint8), the number of dimensions, then each size
-            shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-            arrays.append(np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape))
-        x_train, y_train, x_test, y_test = arrays
-        return (x_train, y_train), (x_test, y_test)
-    return None
 
 
 def load_data(rows: int, say):

@@ -5,10 +5,11 @@ same signatures (parameter names, kinds and defaults), and the same results on a
 import inspect
 import json
 import sys
+from typing import Protocol
 
 import pytest
 
-from multigpu.backend.collectives import ElasticGroup, Group, HostVectors, declared
+from multigpu.backend.collectives import ElasticGroup, Group, HostVectors
 from tests.conftest import SCRIPTS
 
 # Each backend's Comm class, and the protocols its facts promise (elastic: ElasticGroup; NumPy sums: HostVectors).
@@ -17,6 +18,18 @@ CLASSES = {
     "tensorflow": ("multigpu.backend.tensorflow.collectives", (Group, ElasticGroup, HostVectors)),
     "jax": ("multigpu.backend.jax.collectives", (Group, HostVectors)),
 }
+
+
+def declared(protocol: type) -> list[str]:
+    """The members ``protocol`` declares, its bases' included."""
+    names: list[str] = []
+    for cls in reversed(protocol.__mro__):
+        if cls is Protocol or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in (*getattr(cls, "__annotations__", {}), *vars(cls)):
+            if not name.startswith("_") and name not in names:
+                names.append(name)
+    return names
 
 
 def _comm_class(backend: str):

@@ -20,8 +20,6 @@ on each backend, ten steps each, step by step and end to end within 1e-5.
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -36,24 +34,22 @@ ISSUE_SPLITS = ["37,27", "29,35", "38,26"]
 SWEEP = [f"{n},{64 - n}" for n in range(8, 57)]
 
 
-def _run(args, cwd, backend, extra=None, timeout=540) -> None:
-    env = {**os.environ, "KERAS_BACKEND": backend, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-           **(extra or {})}
-    res = subprocess.run(args, capture_output=True, check=False, text=True, timeout=timeout, env=env, cwd=cwd)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+def _run(runner, args, backend, extra=None, timeout=540) -> None:
+    res = runner.run(args, timeout, extra_env={"KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2", **(extra or {})})
+    assert res.returncode == 0, res.stdout[-3000:]
 
 
-def _parallel(tmp_path, backend, splits, rows, epochs) -> dict:
-    out = tmp_path / f"{backend}.json"
-    _run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "splits.py"),
-          str(out), "--splits", *splits, "--rows", str(rows), "--epochs", str(epochs)], tmp_path, backend)
+def _parallel(runner, backend, splits, rows, epochs) -> dict:
+    out = runner.tmp_path / f"{backend}.json"
+    _run(runner, [sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "splits.py"),
+                  str(out), "--splits", *splits, "--rows", str(rows), "--epochs", str(epochs)], backend)
     return json.loads(out.read_text())
 
 
-def _plain(tmp_path, backend, name, rows, epochs, extra=None) -> dict:
-    out = tmp_path / f"{name}.json"
-    _run([sys.executable, str(SCRIPTS / "splits.py"), str(out), "--plain", "--rows", str(rows), "--epochs",
-          str(epochs)], tmp_path, backend, extra)
+def _plain(runner, backend, name, rows, epochs, extra=None) -> dict:
+    out = runner.tmp_path / f"{name}.json"
+    _run(runner, [sys.executable, str(SCRIPTS / "splits.py"), str(out), "--plain", "--rows", str(rows), "--epochs",
+                  str(epochs)], backend, extra)
     return json.loads(out.read_text())["plain"]
 
 
@@ -63,11 +59,11 @@ def _difference(a, b) -> float:
     return max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(a[k]))) for k in a.files)
 
 
-def test_uneven_splits_on_tensorflow_take_one_devices_step_at_every_step(tmp_path):
-    reference = _plain(tmp_path, "tensorflow", "plain", 3840, 3)
-    _plain(tmp_path, "tensorflow", "eigen", 3840, 3, {"TF_ENABLE_ONEDNN_OPTS": "0"})
+def test_uneven_splits_on_tensorflow_take_one_devices_step_at_every_step(runner, tmp_path):
+    reference = _plain(runner, "tensorflow", "plain", 3840, 3)
+    _plain(runner, "tensorflow", "eigen", 3840, 3, {"TF_ENABLE_ONEDNN_OPTS": "0"})
     spread = _difference(tmp_path / "plain.json.plain.epoch3.npz", tmp_path / "eigen.json.plain.epoch3.npz")
-    results = _parallel(tmp_path, "tensorflow", ISSUE_SPLITS, 3840, 3)
+    results = _parallel(runner, "tensorflow", ISSUE_SPLITS, 3840, 3)
     assert sorted(results) == sorted(ISSUE_SPLITS)
     ends = []
     for split, got in results.items():
@@ -80,15 +76,17 @@ def test_uneven_splits_on_tensorflow_take_one_devices_step_at_every_step(tmp_pat
         ends.append(_difference(tmp_path / "plain.json.plain.epoch3.npz",
                                 tmp_path / f"tensorflow.json.{split}.epoch3.npz"))
     assert max(ends) <= 2 * spread, (ends, spread)
+    assert runner.leftovers() == []
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax", "tensorflow"])
-def test_every_split_of_a_batch_of_64_reproduces_one_device(tmp_path, backend):
-    reference = _plain(tmp_path, backend, "plain", 640, 1)
-    results = _parallel(tmp_path, backend, SWEEP, 640, 1)
+def test_every_split_of_a_batch_of_64_reproduces_one_device(runner, tmp_path, backend):
+    reference = _plain(runner, backend, "plain", 640, 1)
+    results = _parallel(runner, backend, SWEEP, 640, 1)
     assert sorted(results) == sorted(SWEEP)
     for split, got in results.items():
         assert got["steps"] == 10 and got["step_error"] <= TOLERANCE, (split, got)
         np.testing.assert_allclose(got["loss"], reference["loss"], rtol=TOLERANCE)
         assert _difference(tmp_path / "plain.json.plain.epoch1.npz",
                            tmp_path / f"{backend}.json.{split}.epoch1.npz") <= TOLERANCE
+    assert runner.leftovers() == []

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["ElasticGroup", "Group", "HostVectors", "declared"]
+__all__ = ["ElasticGroup", "Group", "HostVectors"]
 
 
 @runtime_checkable
@@ -121,15 +121,3 @@ class HostVectors(Protocol):
     def broadcast(self, arrays: Sequence[np.ndarray], src: int | None = None,
                   what: str = "broadcasting the initial weights") -> list[np.ndarray]:
         """Rank ``src``'s arrays on every rank (None: the leader's), NumPy in and out."""
-
-
-def declared(protocol: type) -> list[str]:
-    """The members ``protocol`` declares, its bases' included (for the conformance test)."""
-    names: list[str] = []
-    for cls in reversed(protocol.__mro__):
-        if cls is Protocol or not getattr(cls, "_is_protocol", False):
-            continue
-        for name in (*getattr(cls, "__annotations__", {}), *vars(cls)):
-            if not name.startswith("_") and name not in names:
-                names.append(name)
-    return names
