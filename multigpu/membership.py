@@ -55,8 +55,8 @@ from pathlib import Path
 from multigpu import env
 
 __all__ = ["BEAT", "LOST_AFTER", "POINTS", "Members", "PeerLostError", "allow_shrink", "at", "await_change",
-           "await_welcome", "beat_age", "dropped", "forget_rank", "is_ready", "latest", "open_welcome", "read",
-           "say_ready", "shrink_allowed", "start_heartbeat", "welcomed", "write"]
+           "await_welcome", "beat_age", "dropped", "fault_out_of_memory", "forget_rank", "is_ready", "latest",
+           "open_welcome", "read", "say_ready", "shrink_allowed", "start_heartbeat", "welcomed", "write"]
 
 BEAT = 0.5  # seconds between a rank's heartbeats
 LOST_AFTER = 5.0  # seconds without a heartbeat after which a rank is lost
@@ -300,6 +300,12 @@ def at(point: str, rank: int) -> None:
 def out_of_memory(rank: int) -> bool:
     """Whether ``MULTIGPU_FAULT`` says this rank's training step runs out of memory now (``RANK:forward/oom``)."""
     return _due("forward/oom", rank) is not None
+
+
+def fault_out_of_memory(rank: int) -> None:
+    """Raises ``MemoryError`` where :func:`out_of_memory` says this rank's training step runs out now."""
+    if out_of_memory(rank):
+        raise MemoryError("out of memory (MULTIGPU_FAULT forward/oom, a testing aid)")
 
 
 def dropped(point: str, rank: int) -> bool:

@@ -268,3 +268,32 @@ def test_no_test_of_a_backend_name_outside_backend():
             if pattern.search(line):
                 wrong.append(f"{relative}:{number}: {line.strip()}")
     assert wrong == [], wrong
+
+
+def _retries(text: str) -> list[str]:
+    """The lines of ``text`` that take a step again: an ``except`` of a lost peer or an out-of-memory step that
+    does not raise again, a recovery's ``keep`` or ``after_loss``, a memory's ``cut_again``."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if re.search(r"\.after_loss\(|\.cut_again\(|recovery\.keep\(", line):
+            found.append(line.strip())
+        if re.match(r"\s*except\b.*\b(PeerLostError|OutOfMemoryStepError)\b", line):
+            indent = len(line) - len(line.lstrip())
+            block = []
+            for after in lines[i + 1:]:
+                if after.strip() and len(after) - len(after.lstrip()) <= indent:
+                    break
+                block.append(after.strip())
+            if "raise" not in block:
+                found.append(line.strip())
+    return found
+
+
+def test_only_the_step_driver_takes_a_step_again():
+    """One retry loop in the package (:mod:`multigpu.backend.driver`): no backend folder takes a step again
+    after a lost peer or an out-of-memory step itself, nor keeps a step's state for it."""
+    wrong = {path.relative_to(ROOT).as_posix(): _retries(path.read_text())
+             for path in sorted((ROOT / "backend").glob("*/*.py"))}
+    assert {k: v for k, v in wrong.items() if v} == {}
+    assert _retries((ROOT / "backend" / "driver.py").read_text())  # the check sees the one loop

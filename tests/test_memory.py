@@ -198,6 +198,29 @@ def test_a_fast_device_with_little_memory_gets_what_fits_and_an_out_of_memory_st
     assert runner.leftovers() == []
 
 
+def test_tensorflow_caps_a_device_by_its_measured_memory_and_takes_an_out_of_memory_step_again(runner, tmp_path):
+    """The same on TensorFlow, through the same neutral policy and step driver: ``cpu:0/256MiB`` beside
+    ``cpu:1@0.5``, batch 1024 then 2048. TensorFlow's CPU allocator keeps the pool it grew, so the measurement
+    reads the process's private memory (what the limit counts) and its pool is held to half the device's size
+    (the rest stays for the step's sums); an out-of-memory error injected in rank 0's 20th step, and any real one
+    (``ResourceExhaustedError``, oneDNN's), is taken again within seconds; the weights equal one device's."""
+    out = tmp_path / "out.json"
+    result = runner.script("memory_caps.py", "cpu:0/256MiB,cpu:1@0.5", "auto", str(out), "--batch", "1024",
+                           timeout=300, extra_env={"MULTIGPU_FAULT": "0:forward/oom:20",
+                                                   "KERAS_BACKEND": "tensorflow"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"multigpu: CPU:0 holds at most \d+ rows \(.* a row of 256MiB left\): shares", result.stdout), \
+        result.stdout[-3000:]
+    found = re.findall(r"out of memory on CPU:0 at (\d+) rows: CPU:0 holds at most (\d+) rows; the step again "
+                       r"with rows CPU:0 (\d+), CPU:1@0.5 (\d+) of (\d+) \(([\d.]+) s after the error\)",
+                       result.stdout)
+    assert found, result.stdout[-3000:]
+    for short, cap, rows, other, total, seconds in found:
+        assert int(rows) <= int(cap) < int(short) and int(rows) + int(other) == int(total) and float(seconds) < 5.0
+    assert json.loads(out.read_text())["error"] < 1e-5
+    assert runner.leftovers() == []
+
+
 def test_fixed_ratios_a_device_cannot_hold_end_the_run_naming_the_share_that_fits(runner, tmp_path):
     result = runner.script("memory_caps.py", "cpu:0/48MiB,cpu:1", "9:1", str(tmp_path / "out.json"),
                            "--batch", "1024", timeout=240)

@@ -40,8 +40,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batchnorm_statistics, optimizers_of, own_method
+from multigpu.balancing.caps import is_out_of_memory
 
 __all__ = ["SEED_STRIDE", "StepsCore", "time_alone"]
 
@@ -252,14 +254,38 @@ class StepsCore:
         """This rank's metric states start again at 0 (it finished its step with another rank's sum)."""
         raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
+    def restore_metrics(self) -> None:
+        """Puts back this rank's metric states as :meth:`snapshot` kept them (a step taken again after a rank
+        ran out of memory)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take a step again")
+
+    def lost_peer(self, exc: BaseException):
+        """The :class:`~multigpu.membership.PeerLostError` that ``exc`` stands for, or None (the driver's
+        question: a backend whose framework wraps errors unwraps it)."""
+        return exc if isinstance(exc, membership.PeerLostError) else None
+
     def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
         """Finishes this rank's training step with another rank's sum and shares; returns the step's logs."""
         raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
     def _calibrate(self, solo: Callable[[], tuple[float, float]]) -> None:
-        """Sets automatic shares from each rank's ``solo()`` (samples/s alone, seconds it took)."""
-        self.balancer.calibrate(solo, lambda v: self.comm.sum_floats(v, "calibrating"),
+        """Sets automatic shares from each rank's ``solo()`` (samples/s alone, seconds it took); a rank whose
+        device cannot hold its rows alone says 0 (the steps find its cap)."""
+        def measured() -> tuple[float, float]:
+            try:
+                return solo()
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+            self._release()
+            return 0.0, 0.0
+
+        self.balancer.calibrate(measured, lambda v: self.comm.sum_floats(v, "calibrating"),
                                 self.parallel.steps_per_epoch)
+
+    def _release(self) -> None:
+        """What a pass that ran out of memory held, given back."""
+        self.memory.release()
 
     def realign_replicas(self) -> None:
         """Rank 0's weights and optimizer state on every rank, when the ranks run on different kinds of processor.

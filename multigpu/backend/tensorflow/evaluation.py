@@ -17,8 +17,7 @@ import tensorflow as tf
 from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows
-from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, tensors
-from multigpu.membership import PeerLostError
+from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros
 
 __all__ = ["Evaluation"]
 
@@ -53,28 +52,23 @@ class Evaluation:
         self._ready(data)
         if self._test is None:
             self._build_test()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        rows = batch_rows(x)
         self._fresh = None
         if self.user_test_step is not None:
-            logs, self._fresh = self.custom.test(data, rows)
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            logs, self._fresh = self.custom.test(data, batch_rows(x))
             return logs
-        while True:
-            kept = self.recovery.keep()
-            try:
-                membership.at("validation", self.comm.rank)
-                states = self._test_local(x, y, sample_weight).numpy() if rows > 0 else self._states()
-                summed = self.comm.reduce(states, "summing the step's metrics")
-                break
-            except PeerLostError as lost:
-                self.comm.take_lost()
-                data, _, _ = self.recovery.after_loss(lost, kept, for_step=False)
-                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tensors(data))
-                rows = batch_rows(x)
+        summed = self.driver.evaluate(data, self._test_sum)
         self._summed_states = np.array(summed)
         logs = self._test_results(tf.constant(summed))
         self._fresh = logs
         return logs
+
+    def _test_sum(self, data) -> np.ndarray:
+        """This rank's metric states after its rows of the batch, summed over ranks."""
+        membership.at("validation", self.comm.rank)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        states = self._test_local(x, y, sample_weight).numpy() if batch_rows(x) > 0 else self._states()
+        return self.comm.reduce(states, "summing the step's metrics")
 
     # ---------------------------------------------------------- prediction
     def make_predict_function(self, force: bool = False):

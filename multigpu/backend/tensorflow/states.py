@@ -32,6 +32,10 @@ class States:
         for v, value in kept or ():
             v.assign(value)
 
+    def restore_metrics(self) -> None:
+        if self._kept_metrics is not None:
+            self._load_states(self._kept_metrics)
+
     def undo_updates(self) -> None:
         for v, value in self._kept_updates or ():
             v.assign(value)
@@ -56,10 +60,10 @@ class States:
             failure.fail("a sum of a train_step of the model's own reached some ranks only before a rank was lost; "
                          "on TensorFlow such a step cannot be finished with another rank's sum, so the run ends")
         values = np.asarray(summed, np.float32)
-        states, tail = values[:n_timing], values[n_timing:]
+        states, message = values[:n_timing], values[n_timing:]
         self._summed_states = states
         logs = metric_results(self.model, tf.constant(states), list(self.model.metrics_variables), 0)
-        self._record(tail[1:], adopt)
+        self._record(self.message.read(message).timing, adopt)
         return logs
 
     def _load_states(self, values: np.ndarray) -> None:

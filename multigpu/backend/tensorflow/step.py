@@ -55,13 +55,16 @@ import tensorflow as tf
 from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows
+from multigpu.backend.driver import StepDriver
 from multigpu.backend.facts import HALF_PRECISION
+from multigpu.backend.message import StepMessage
 from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.tensorflow.custom import CustomSteps
 from multigpu.backend.tensorflow.evaluation import Evaluation
 from multigpu.backend.tensorflow.states import States
 from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split, tensors
+from multigpu.balancing.caps import DeviceMemory, is_out_of_memory
 from multigpu.balancing.timing import StepRecord
 from multigpu.membership import PeerLostError
 
@@ -97,6 +100,10 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self._applied = False  # the update function has been traced (by the first training step)
         self._local_results = False  # inside a step run eagerly: metric results are this rank's own
         self.recovery = Recovery(self)
+        # A CPU device given a size is measured (TensorFlow's allocator keeps its pool); a GPU is not yet.
+        self.memory = DeviceMemory(self.comm, self.balancer, kept=True)
+        self.message = StepMessage(self.timing.size, self.comm.world_size)
+        self.driver = StepDriver(self, batch=tensors)
         self._kept_metrics: np.ndarray | None = None  # this rank's metric states before the step (recovery)
         self._kept_updates: list | None = None  # a step of the model's own: what its updates may change
         self._summed_states: np.ndarray | None = None  # the last global metric states read
@@ -199,12 +206,14 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             summed.set_shape([vector.shape[0] + states.shape[0] + tail.shape[0]])
             for part, mine in zip(gathered, slices):
                 part.set_shape([None, *mine.shape[1:]])
-            return apply(summed, tuple(gathered)), summed[vector.shape[0] + states.shape[0] + 1 :]
+            return apply(summed, tuple(gathered)), summed[vector.shape[0] + states.shape[0] :]
 
         self._local = self._function(local)
         self._apply = self._function(apply, jit=False if self.shards is not None else None)  # XLA calls no Python
-        # XLA cannot call into Python; a run that may lose a rank takes a step again from between the two
-        fused = not self.model.run_eagerly and not self.model.jit_compile and not self.recovery.elastic
+        # XLA cannot call into Python; a run that may lose a rank, or a device that may run out of memory, takes
+        # a step again from between the two
+        fused = (not self.model.run_eagerly and not self.model.jit_compile and not self.recovery.elastic
+                 and not self.memory.bounded)
         self._step = self._function(step) if fused else None
         self._applied = False
         self._train = True
@@ -244,29 +253,15 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         if self._train is None:
             self._build_train()
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        plan = self.balancer.planner.take(batch_rows(x))
-        recovery = self.recovery
-        if self.balancer.lost and any(plan.sizes[r] for r in self.balancer.lost):
-            data, plan = recovery.cut_again(plan)  # planned ahead of a loss
-            data = tensors(data)
-        if recovery.welcome_due:
-            plan, data = recovery.welcome()
-            data = tensors(data)
-        if not self.balancer.calibrated:
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            self._calibrate(lambda: self._solo_rate(x, y, sample_weight, plan.local))
-        while True:
-            kept = recovery.keep()
-            try:
-                return self._train_on(data, plan)
-            except Exception as exc:  # a loss inside a TensorFlow function comes wrapped in TensorFlow's error
-                lost = self.comm.take_lost() or (exc if isinstance(exc, PeerLostError) else None)
-                if lost is None:
-                    raise
-                data, plan, logs = recovery.after_loss(lost, kept, for_step=True)
-                if logs is not None:
-                    return logs  # the step was done elsewhere: this rank took its state
-                data = tensors(data)
+        return self.driver.train(data, batch_rows(x), self._train_on, self._calibrate_on)
+
+    def _calibrate_on(self, data, plan) -> None:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._calibrate(lambda: self._solo_rate(x, y, sample_weight, plan.local))
+
+    def lost_peer(self, exc: BaseException):
+        """A loss inside a TensorFlow function comes wrapped in TensorFlow's error: the engine kept it."""
+        return self.comm.take_lost() or (exc if isinstance(exc, PeerLostError) else None)
 
     def _train_on(self, data, plan) -> dict:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -285,35 +280,58 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         if plan.local == 0 and self._sparse is None:
             self._learn_gradients(x, y, sample_weight)
         self.timing.begin()
-        tail = np.asarray([float(plan.local), *self.timing.vector(), float(self.recovery.waiting())],
-                          dtype=np.float32)
         weight = tf.constant(plan.weight, tf.float32)
         if self.global_batchnorm is not None:
             self.global_batchnorm.begin_step(1.0)  # the loss carries the weight
         if plan.local > 0 and self._step is not None:
-            logs, timing = self._step(x, y, sample_weight, weight, tf.constant(tail))
-            timing = timing.numpy()
+            tail = self._message()
+            logs, message = self._step(x, y, sample_weight, weight, tf.constant(tail))
+            said = self.message.read(message.numpy())
         else:
-            if plan.local > 0:
-                grads, states, slices = self._local(x, y, sample_weight, weight)
-                grads, states, slices = grads.numpy(), states.numpy(), [t.numpy() for t in slices]
-            else:
-                if self.global_batchnorm is not None:
-                    self._exchange_idle(x, y, sample_weight)
-                grads, states, slices = self._idle_parts()
-            summed, *slices = self._exchange(grads, states, tail, *slices)
+            grads, states, slices, short, cap = self._local_parts(x, y, sample_weight, weight, plan.local)
+            summed, *slices = self._exchange(grads, states, self._message(short, cap), *slices)
             rest = summed[grads.size:]
             self._summed_states = rest[: states.size]
-            self.recovery.read(list(rest), states.size, waiting=rest[-1] > 0)
+            said = self.message.read(rest[states.size:])
+            self.recovery.read(list(rest), states.size, waiting=said.waiting)
+            self.memory.read(said.short, said.cap)  # new caps; a rank that ran out: none applies the step
             membership.at("update", self.comm.rank)
             logs = self._apply(tf.constant(summed), tuple(slices))
-            timing = summed[grads.size + states.size + 1 :]
         self._applied = True
-        self._record(timing)
+        self._record(said.timing)
+        self.memory.fitted(plan.sizes)
         self.timing.end(plan.local)
         if traced:
             self.timing.discard()
         return logs
+
+    def _local_parts(self, x, y, sample_weight, weight, rows: int):
+        """This rank's part of the sum, the step taken as two functions around it: ``(weighted gradients, metric
+        states, sparse rows, rows it could not hold, its measured cap)``; a rank that ran out of memory sends
+        what a rank with no rows sends, and says so."""
+        short = cap = 0
+        if rows > 0:
+            try:
+                self.memory.begin(rows)
+                membership.fault_out_of_memory(self.comm.rank)
+                grads, states, slices = self._local(x, y, sample_weight, weight)
+                grads, states, slices = grads.numpy(), states.numpy(), [t.numpy() for t in slices]
+                cap = self.memory.end(rows)
+                return grads, states, slices, 0, cap
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                short = rows  # this rank goes on to the sum with no gradients and says it ran out
+                self.memory.release()
+                self._sparse = {} if self._sparse is None else self._sparse
+        elif self.global_batchnorm is not None:
+            self._exchange_idle(x, y, sample_weight)
+        return (*self._idle_parts(), short, cap)
+
+    def _message(self, short: int = 0, cap: int = 0) -> np.ndarray:
+        """This rank's step message (:mod:`multigpu.backend.message`), as float32."""
+        return np.asarray(self.message.pack(self.comm.rank, self.timing.vector(), self.recovery.waiting(), short,
+                                            cap), np.float32)
 
     def _idle_parts(self) -> tuple[np.ndarray, np.ndarray, list]:
         """What a rank with no rows sends: zero gradients, its metric states, no sparse rows."""
@@ -346,10 +364,9 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         for v, value in kept:
             v.assign(value)
 
-    def _record(self, timing, adopt: dict | None = None) -> None:
-        """Reads a training step's summed timings (their last word is :meth:`Recovery.waiting`'s)."""
-        rec = StepRecord.from_vector([float(v) for v in timing[:-1]], self.comm.world_size, complete=True,
-                                     members=self.comm.members)
+    def _record(self, timing: list[float], adopt: dict | None = None) -> None:
+        """Reads a training step's summed timings."""
+        rec = StepRecord.from_vector(timing, self.comm.world_size, complete=True, members=self.comm.members)
         if adopt is None:
             self.balancer.record(rec)
         else:

@@ -28,12 +28,7 @@ class Evaluation:
     # ---------------------------------------------------------- evaluation
     def test_step(self, data):
         self._initialize()
-        while True:
-            kept = self.recovery.keep()
-            try:
-                return self._test_on(data)
-            except membership.PeerLostError as lost:
-                data, _, _ = self.recovery.after_loss(lost, kept, for_step=False)
+        return self.driver.evaluate(data, self._test_on)
 
     def _test_on(self, data):
         membership.at("validation", self.comm.rank)

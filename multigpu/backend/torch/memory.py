@@ -1,229 +1,37 @@
-"""Device memory on torch: what a step needs, the largest local batch that fits, and a step that ran out.
+"""What torch measures of a GPU's memory, for the neutral memory policy (:mod:`multigpu.balancing.caps`).
 
-**Measured.** On a GPU, and on a CPU device given a memory size
-(``cpu:0/2GiB``), a few steps at each local batch size (after its first two,
-which warm caches and record the forward pass) are measured: the
-peak allocation above what the device held before the step (torch's CUDA
-allocator statistics; the process's peak resident memory on a CPU device)
-and the memory left (the GPU's free memory and torch's unused cache; the
-limit less what the process holds).  :class:`~multigpu.balancing.memory.RowMemory`
-turns them into a cap, which the rank sends in its step's sum, so every
-rank plans the next batches within it.
-
-**Ran out.** A rank whose forward or backward pass fails to allocate
-(``torch.OutOfMemoryError`` on a GPU, the CPU allocator's ``can't allocate
-memory`` on a CPU device given a size, a ``MemoryError``) frees what the pass
-held and goes on to the step's one sum with no gradients, saying how many
-rows it could not hold.  Every rank reads the same sum, so every rank sees it
-at once, before any weight changed: none applies the step, and no rank hangs
-(the others of a DDP run wait forever).  With automatic shares the device's
-cap is lowered, the same global batch is planned and cut again, and the step
-taken again, exactly as one device would take it; only a global batch the
-devices cannot hold together ends the run, naming each device's cap.  Fixed
-ratios are the user's: a device they give more rows than it holds ends the
-run, naming the device, its memory and the share that fits.
+A CUDA device's step is measured by torch's allocator statistics: the peak
+allocation since the step began, and the memory left (the GPU's free memory
+and torch's unused cache).  A CPU device given a memory size is measured as
+on every backend, by the process's memory
+(:class:`~multigpu.balancing.caps.ProcessMemory`).
 """
 
 from __future__ import annotations
 
-import gc
-import time
-
 import torch
 
-from multigpu import failure
-from multigpu.balancing.memory import RowMemory
-from multigpu.devices import format_size
-from multigpu.log import logger as log
-from multigpu.throttle import give_back_memory, memory_limit, private_memory, reset_peak_memory, resident_memory
-
-__all__ = ["DeviceMemory", "OutOfMemoryStepError"]
+__all__ = ["CudaMemory"]
 
 
-class OutOfMemoryStepError(Exception):
-    """Raised on every rank after a sum in which a rank said it ran out of memory.
-
-    Attributes:
-        rows: for each rank, the rows it could not hold (0 where it held its rows).
-        at: ``time.time()`` when the sum told it.
-    """
-
-    def __init__(self, rows: list[int]) -> None:
-        super().__init__(f"ran out of memory: {rows}")
-        self.rows = rows
-        self.at = time.time()
-
-
-_MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory")
-SHRINK = 0.9  # a device that ran out at N rows is planned at most 0.9 N (or the most it has held below N)
-
-
-class DeviceMemory:
-    """The memory of one parallel model's devices on torch.
+class CudaMemory:
+    """A :class:`~multigpu.balancing.caps.MemoryProbe` of one CUDA device.
 
     Args:
-        comm: the run's collectives (rank, world size, devices).
-        balancer: the owner of the shares and the caps.
+        device: the rank's ``torch.device``.
     """
 
-    def __init__(self, comm, balancer) -> None:
-        self.comm = comm
-        self.balancer = balancer
-        devices = comm.runtime.devices
-        # Where a step may run out of memory and be taken again (GPUs, CPU devices given a size): the states a
-        # forward pass changes are kept before each step.
-        self.bounded = any(d.is_cuda or d.memory is not None for d in devices)
-        mine = devices[comm.rank]
-        self.measured_here = mine.is_cuda or mine.memory is not None
-        self.rows = RowMemory()
-        self.largest: list[int] = [0] * comm.world_size  # the largest local batch each rank has held
-        self._base: tuple[int, int] | None = None  # (bytes held before the step, bytes left) while measuring
-        self.available: int | None = None  # bytes this device had left before its last measured step
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
-    # ------------------------------------------------------------ measured
-    def begin(self, rows: int) -> None:
-        """Before a step's forward pass: measures it when it is among the first at its size."""
-        self._base = None
-        if not self.measured_here or not self.rows.due(rows):
-            return
-        device = self.comm.device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            held = torch.cuda.memory_allocated(device)
-            free, _ = torch.cuda.mem_get_info(device)
-            left = free + torch.cuda.memory_reserved(device) - held
-        else:
-            limit = memory_limit()
-            if limit is None:
-                return
-            reset_peak_memory()
-            now, _, files = resident_memory()
-            held = now - files  # the file-backed pages a step first touches are not its allocations
-            left = limit - private_memory()
-        self._base = (held, left)
+    def start(self) -> tuple[int, int]:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        held = torch.cuda.memory_allocated(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return held, free + torch.cuda.memory_reserved(self.device) - held
 
-    def end(self, rows: int) -> int:
-        """After the backward pass: the cap this rank sends (0: nothing new)."""
-        if self._base is None:
-            return 0
-        held, left = self._base
-        self._base = None
-        device = self.comm.device
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            _, peak, files = resident_memory()
-            peak -= files
-        self.rows.add(rows, peak - held)
-        self.available = left
-        cap = self.rows.cap(left)
-        return 0 if cap is None else max(cap, 1)
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
 
-    def describe(self) -> str:
-        """``"12 MiB + 96 KiB a row of 180 MiB left"`` (what the last measurement found), or ``""``."""
-        found = self.rows.model()
-        if found is None or self.available is None:
-            return ""
-        fixed, per_row = found
-        row = f"{format_size(int(per_row) // 1024 * 1024)} a row"
-        left = format_size(int(self.available) // (1 << 20) * (1 << 20))
-        return f"{format_size(int(fixed) // 1024 * 1024)} + {row} of {left} left" if fixed else f"{row} of {left} left"
-
-    # ------------------------------------------------------------ ran out
-    @staticmethod
-    def is_out_of_memory(exc: BaseException) -> bool:
-        """Whether ``exc`` is a failed allocation (torch's out-of-memory error, the CPU allocator's, Python's)."""
-        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-            return True
-        return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _MESSAGES)
-
-    def release(self, model, forward) -> None:
-        """Gives back what the failed pass held: ``model``'s gradients, ``forward``'s recorded passes, and what
-        the allocator keeps."""
-        self._base = None
-        model.zero_grad()
-        forward.forget()
-        gc.collect()
-        if self.comm.device.type == "cuda":
-            torch.cuda.empty_cache()
-        else:
-            give_back_memory()
-
-    def fitted(self, sizes) -> None:
-        """A step ran at ``sizes`` rows per rank on every rank: each held its rows."""
-        self.largest = [max(a, int(b)) for a, b in zip(self.largest, sizes)]
-
-    # ------------------------------------------------------------ the sum's slots
-    def slots(self, short: int, cap: int) -> list[float]:
-        """This rank's part of the sum's memory slots: rows it could not hold, then its measured cap."""
-        n = self.comm.world_size
-        out = [0.0] * (2 * n)
-        out[self.comm.rank] = float(short)
-        out[n + self.comm.rank] = float(cap)
-        return out
-
-    def read(self, slots: list[float]) -> None:
-        """Reads the summed slots (the same on every rank): new caps are planned with from the next batch; a
-        rank that ran out of memory raises :class:`OutOfMemoryStepError` (no rank applies the step)."""
-        n = self.comm.world_size
-        short = [round(v) for v in slots[:n]]
-        devices = self.comm.runtime.devices
-        for r, cap in enumerate(round(v) for v in slots[n:]):
-            if cap > 0 and self.balancer.measured_cap(r, cap) and self.comm.rank == self.comm.leader:
-                total = self.balancer.batch_size or 0
-                shares = "/".join(f"{s / total:.0%}" for s in self.balancer.shares(total)) if total else ""
-                how = self.describe() if r == self.comm.rank else ""
-                log.info(f"{devices[r].label} holds at most {cap} rows"
-                         f"{f' ({how})' if how else ''}: shares {shares} of {total}.")
-        if any(short):
-            raise OutOfMemoryStepError(short)
-
-    def cut_again(self, short: OutOfMemoryStepError, plan):
-        """Lowers the caps of the ranks that ran out and cuts the same global batch again by them: ``(this
-        rank's rows, new plan)``; ends the run when the ratios are fixed, or the devices cannot hold the global
-        batch together."""
-        began = time.perf_counter()
-        devices = self.comm.runtime.devices
-        members = [r for r in range(self.comm.world_size) if r not in self.balancer.lost]
-        for r, rows in enumerate(short.rows):
-            if rows:
-                held = self.largest[r] if self.largest[r] < rows else 0
-                fits = max(held, int(rows * SHRINK)) if rows > 1 else 0
-                if not self.balancer.options.auto:
-                    self._fixed_ratios_do_not_fit(r, rows, fits, plan)
-                self.balancer.lower_cap(r, fits)
-        caps = self.balancer.options.caps
-        room = sum(plan.total if caps[r] is None else caps[r] for r in members)
-        if room < plan.total or all(caps[r] == 0 for r in members):
-            detail = ", ".join(f"{devices[r].label} at most {caps[r]} rows" if caps[r] is not None else
-                               f"{devices[r].label} no cap" for r in members)
-            failure.fail(f"the devices cannot hold a global batch of {plan.total} rows together ({detail}): the "
-                         f"largest global batch that fits is {room} rows. Give fit a batch_size of at most {room}.")
-        again = self.balancer.planner.again(True)
-        if again is None:
-            failure.fail("a device ran out of memory and this batch cannot be cut again (its input was read once): "
-                         "give parallelize max_batch= caps, or feed arrays, tensors, a PyDataset or a generator.")
-        new_plan, data = again
-        if self.comm.rank == self.comm.leader:
-            ran_out = ", ".join(f"{devices[r].label} at {rows} rows" for r, rows in enumerate(short.rows) if rows)
-            capped = ", ".join(f"{devices[r].label} holds at most {caps[r]} rows"
-                               for r, rows in enumerate(short.rows) if rows)
-            shares = ", ".join(f"{devices[r].label} {new_plan.sizes[r]}" for r in members)
-            log.info(f"out of memory on {ran_out}: {capped}; the step again with rows {shares} of "
-                     f"{new_plan.total} ({time.time() - short.at + (time.perf_counter() - began):.2f} s after the "
-                     "error).")
-        return data, new_plan
-
-    def _fixed_ratios_do_not_fit(self, rank: int, rows: int, fits: int, plan) -> None:
-        device = self.comm.runtime.devices[rank]
-        memory = (f"{format_size(device.memory)} given" if device.memory is not None else
-                  "a GPU" if device.is_cuda else "the machine's memory")
-        ratios = self.balancer.ratios
-        share = fits / plan.total
-        others = sum(ratios) - ratios[rank]
-        largest = share / (1 - share) * others if share < 1 else float("inf")
-        failure.fail(
-            f"{device.label} ({memory}) ran out of memory with {rows} rows of a global batch of {plan.total}, "
-            f"its part of the fixed ratios {':'.join(f'{r:g}' for r in ratios)}; it holds about {fits} rows, "
-            f"{share:.0%} of the batch: give it a ratio of at most {largest:.2g} (the others as they are), "
-            "a smaller batch_size, or ratios='auto' (shares that fit every device's memory).")
+    def release(self) -> None:
+        torch.cuda.empty_cache()

@@ -36,16 +36,19 @@ import torch
 from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
+from multigpu.backend.driver import StepDriver
+from multigpu.backend.message import StepMessage
 from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import install_global_moments
 from multigpu.backend.torch.evaluation import Evaluation
-from multigpu.backend.torch.memory import DeviceMemory, OutOfMemoryStepError
+from multigpu.backend.torch.memory import CudaMemory
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
+from multigpu.balancing.caps import DeviceMemory, is_out_of_memory
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["TorchSteps"]
@@ -65,7 +68,9 @@ class TorchSteps(Evaluation, StepsCore):
                                  overlap=_overlap(self.comm, parallel.options.overlap),
                                  bucket_bytes=_bucket_bytes(parallel.options.bucket_mb))
         self.metrics = GlobalMetrics(model, self.comm)
-        self.memory = DeviceMemory(self.comm, self.balancer)
+        self.memory = DeviceMemory(self.comm, self.balancer,
+                                   CudaMemory(self.comm.device) if self.comm.device.type == "cuda" else None)
+        self.message = StepMessage(self.timing.size, self.comm.world_size)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
         # A device of bounded memory keeps the recorded passes of two local batch sizes, not eight: each holds
@@ -86,6 +91,7 @@ class TorchSteps(Evaluation, StepsCore):
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
         self.shards = ShardedOptimizers(self.comm, parallel.ledger) if parallel.options.shard_optimizer else None
         self.recovery = Recovery(self)
+        self.driver = StepDriver(self)
         if self.sync_batchnorm:
             install_global_moments(model, parallel.ledger)
 
@@ -119,31 +125,10 @@ class TorchSteps(Evaluation, StepsCore):
     # ---------------------------------------------------------- training
     def train_step(self, data):
         self._initialize()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        plan = self.balancer.planner.take(batch_rows(x))
-        recovery = self.recovery
-        if self.balancer.lost and any(plan.sizes[r] for r in self.balancer.lost):
-            data, plan = recovery.cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if recovery.welcome_due:
-            plan, data = recovery.welcome()
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if not self.balancer.calibrated:
-            self._calibrate_on(x, y, sample_weight, plan)
-        while True:
-            kept = recovery.keep(also=self.memory.bounded)
-            try:
-                return self._train_on(data, x, y, sample_weight, plan)
-            except membership.PeerLostError as lost:
-                data, plan, logs = recovery.after_loss(lost, kept, for_step=True)
-                if logs is not None:
-                    return logs  # the step was done elsewhere: this rank took its state
-                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            except OutOfMemoryStepError as short:
-                data, plan = self._after_out_of_memory(short, kept, plan)
-                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self.driver.train(data, batch_rows(x), self._train_on, self._calibrate_on)
 
-    # ---------------------------------------------------------- recovery's hooks (backend/recovery.py)
+    # ---------------------------------------------------------- recovery's and the driver's hooks
     def snapshot(self) -> list:
         """The states a step changes before its sum: metric states (kept by ``metrics``), non-trainables."""
         self.metrics.keep()
@@ -153,6 +138,9 @@ class TorchSteps(Evaluation, StepsCore):
         with torch.no_grad():
             for v, value in zip(self.model.non_trainable_variables, kept or ()):
                 v.value.copy_(value)
+
+    def restore_metrics(self) -> None:
+        self.metrics.restore()
 
     def undo_updates(self) -> None:
         self.sync.undo()  # a step of the model's own: what its updates changed before its logs' sum failed
@@ -166,14 +154,13 @@ class TorchSteps(Evaluation, StepsCore):
     def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
         return self._finish(summed, "train", n_timing, adopt=adopt)
 
-    def _word(self, short: int = 0, cap: int = 0) -> list[float]:
-        """The sum's last word: 1 where ranks coming back wait to be taken in (in a fit they can join, on a batch
-        that can be cut again for them), else 0; every rank reads the same sum, so all take them in at the same
-        step. Then two slots per rank (:meth:`DeviceMemory.slots`): the rows it could not hold (``short``: it
-        ran out of memory), and the largest local batch its memory holds, as measured in this step (``cap``)."""
-        return [1.0 if self.recovery.waiting() else 0.0, *self.memory.slots(short, cap)]
+    def _message(self, short: int = 0, cap: int = 0) -> list[float]:
+        """This rank's step message (:mod:`multigpu.backend.message`): timings, the recovery word, and the
+        memory slots (``short``: the rows it could not hold; ``cap``: the largest local batch it measured)."""
+        return self.message.pack(self.comm.rank, self.timing.vector(), self.recovery.waiting(), short, cap)
 
-    def _train_on(self, data, x, y, sample_weight, plan):
+    def _train_on(self, data, plan):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         membership.at("forward", self.comm.rank)
         self.metrics.invalidate()
         self.timing.begin()
@@ -208,22 +195,22 @@ class TorchSteps(Evaluation, StepsCore):
         if local > 0 or self.sync_batchnorm:
             try:
                 self.memory.begin(local)
-                if membership.out_of_memory(self.comm.rank):
-                    raise MemoryError("out of memory (MULTIGPU_FAULT forward/oom, a testing aid)")
+                membership.fault_out_of_memory(self.comm.rank)
                 logs_local = self._forward_backward(x, y, sample_weight, plan, trainable)
                 cap = self.memory.end(local)
             except Exception as exc:
-                if not self.memory.is_out_of_memory(exc):
+                if not is_out_of_memory(exc):
                     raise
                 short = local  # this rank goes on to the sum with no gradients and says it ran out
             if short:
                 logs_local, local = None, 0
-                self.memory.release(model, self.forward)
-        extras = self.metrics.pack(logs_local, local, [*self.timing.vector(), *self._word(short, cap)], "train")
+                self._release()
+        extras = self.metrics.pack(logs_local, local, self._message(short, cap), "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         grads, summed = self.sync.sum([v.value.grad for v in trainable], trainable, extras)
-        self.memory.read(summed[-2 * self.comm.world_size:])  # new caps; a rank that ran out: none applies it
+        said = self.message.read(summed[-self.message.size:])
+        self.memory.read(said.short, said.cap)  # new caps; a rank that ran out: none applies the step
         if trainable:
             membership.at("update", self.comm.rank)
             with torch.no_grad():
@@ -257,13 +244,11 @@ class TorchSteps(Evaluation, StepsCore):
             loss.backward()
         return logs_local
 
-    def _after_out_of_memory(self, short: OutOfMemoryStepError, kept: list | None, plan):
-        """A rank ran out of memory in this step (no rank applied it): every state the forward passes changed
-        put back, the caps of the ranks that ran out lowered to what fits, and the same global batch cut again
-        by them: ``(this rank's new rows, new plan)``."""
-        self.restore_forward(kept)
-        self.metrics.restore()
-        return self.memory.cut_again(short, plan)
+    def _release(self) -> None:
+        """What a pass that ran out of memory held, given back: the gradients, the recorded passes."""
+        self.model.zero_grad()
+        self.forward.forget()
+        self.memory.release()
 
     def prepare_optimizers(self) -> None:
         if self.shards is not None and self.model.optimizer is not None:
@@ -289,7 +274,7 @@ class TorchSteps(Evaluation, StepsCore):
         else:
             logs_local = None
             self.sync.replay(self._replay)
-        return self._sum_logs(logs_local, plan.local, [*self.timing.vector(), *self._word()], "train")
+        return self._sum_logs(logs_local, plan.local, self._message(), "train")
 
     def _sum_logs(self, logs_local, rows: int, timing: list[float], phase: str):
         vec = self.metrics.pack(logs_local, rows, timing, phase)
@@ -304,30 +289,25 @@ class TorchSteps(Evaluation, StepsCore):
     def _finish(self, summed: list[float], phase: str, n_timing: int | None = None, adopt: dict | None = None):
         """The global logs; a training step's timing slots (and the last word) read (``adopt``: another
         rank's shares, for a step this rank finishes with that rank's sum, :mod:`multigpu.backend.recovery`)."""
-        word = 1 + 2 * self.comm.world_size
-        n_timing = self.timing.size + word if n_timing is None else n_timing
-        logs, timing = self.metrics.unpack(summed, n_timing, phase)
+        n_timing = self.message.size if n_timing is None else n_timing
+        logs, tail = self.metrics.unpack(summed, n_timing, phase)
         if n_timing:
-            self.recovery.read(summed, n_timing, waiting=timing[-word] > 0)
-            timing = timing[:-word]
-            rec = StepRecord.from_vector(timing, self.comm.world_size, complete=True, members=self.comm.members)
+            said = self.message.read(tail)
+            self.recovery.read(summed, n_timing, waiting=said.waiting)
+            rec = StepRecord.from_vector(said.timing, self.comm.world_size, complete=True, members=self.comm.members)
             if adopt is None:
                 self.balancer.record(rec)
             else:
                 self.balancer.caught_up(rec, **adopt)
         return logs
 
-    def _calibrate_on(self, x, y, sample_weight, plan) -> None:
+    def _calibrate_on(self, data, plan) -> None:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
         def solo() -> tuple[float, float]:
             if plan.local == 0 or self.user_train_step is not None:
                 return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
-            try:
-                return self._solo_rate(x, y, sample_weight)
-            except Exception as exc:
-                if not self.memory.is_out_of_memory(exc):
-                    raise
-            self.memory.release(self.model, self.forward)  # it cannot hold its rows: the step finds its cap
-            return 0.0, 0.0
+            return self._solo_rate(x, y, sample_weight)
 
         self._calibrate(solo)
 
