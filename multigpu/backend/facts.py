@@ -44,6 +44,9 @@ class Facts:
             on GPUs alone), rather than on the devices (NCCL where every device is a GPU).
         join_first: whether a rank joins the run before the program runs (the framework takes its devices,
             or allows its distributed start, only before its first computation).
+        cpu_memory_environment: the environment variables a rank on a CPU device given ``size`` bytes needs,
+            so that the framework's allocator keeps within it (TensorFlow: its pool of large tensors, which it
+            never gives back, held to half the size).
         takes_torch_tensors: whether ``keras.ops.convert_to_tensor`` takes a torch tensor (a DataLoader's).
     """
 
@@ -59,3 +62,4 @@ class Facts:
     sums_on_host: bool = False
     join_first: bool = False
     takes_torch_tensors: bool = True
+    cpu_memory_environment: Callable[[int], dict] = field(default=lambda size: {})

@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-from multigpu import env
+from multigpu import backend, env
 
 RANK_ENTRY = "multigpu.runtime.rank_entry"  # the module every rank process runs
 
@@ -77,9 +77,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TENSORFLOW_POOL = 0.5  # of a CPU device's given memory, what TensorFlow's pool of large tensors may hold
-
-
 def rank_environment(rank: int, devices: Sequence, port: int, timeout: float | None, run_dir: str,
                      ratios: str | None = None) -> dict[str, str]:
     """The environment variables that tell a started process who it is.
@@ -113,10 +110,10 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float | N
     variables["KERAS_TORCH_DEVICE"] = dev.spec.split("@")[0] if dev.is_cuda else "cpu"
     if not dev.is_cuda:
         variables["OMP_NUM_THREADS"] = str(max(1, len(dev.cores)))
-    if not dev.is_cuda and dev.memory is not None and "TF_MKL_ALLOC_MAX_BYTES" not in env.copy():
-        # TensorFlow's CPU allocator pools large tensors and never gives the pool back: held to a part of the
-        # device's memory, it fails cleanly (a step taken again) and leaves room for the process's other memory.
-        variables["TF_MKL_ALLOC_MAX_BYTES"] = str(int(dev.memory * TENSORFLOW_POOL))
+    if not dev.is_cuda and dev.memory is not None:  # what the backend's allocator needs to keep within the size
+        given = env.copy()
+        variables.update({k: v for k, v in backend.facts().cpu_memory_environment(dev.memory).items()
+                          if k not in given})
     return variables
 
 

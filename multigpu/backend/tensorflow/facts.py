@@ -29,6 +29,16 @@ def _versions() -> dict:
     return versions
 
 
+POOL = 0.5  # of a CPU device's given memory, what TensorFlow's pool of large tensors may hold
+
+
+def _pool(size: int) -> dict[str, str]:
+    """TensorFlow's CPU allocator pools large tensors and never gives the pool back: held to a part of the
+    device's memory, it fails cleanly (a step taken again) and leaves room for the step's sums."""
+    return {"TF_MKL_ALLOC_MAX_BYTES": str(int(size * POOL))}
+
+
 FACTS = Facts("tensorflow", grid=16, scan=False, elastic=True, shard_optimizer=True, sums_on_host=True, join_first=True,
               gpu_count=driver_gpu_count,
-              gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions)
+              gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions,
+              cpu_memory_environment=_pool)
