@@ -154,6 +154,7 @@ class DeviceMemory:
         self.largest: list[int] = [0] * comm.world_size  # the largest local batch each rank has held
         self._base: tuple[int, int] | None = None  # (bytes held before the step, bytes left) while measuring
         self.available: int | None = None  # bytes this device had left before its last measured step
+        self._said: set[int] = set()  # the ranks whose measured cap the log has given
 
     # ------------------------------------------------------------ measured
     def begin(self, rows: int) -> None:
@@ -196,11 +197,16 @@ class DeviceMemory:
 
     def read(self, short: list[int], caps: list[int]) -> None:
         """Reads a step's summed memory sections (the same on every rank): new caps are planned with from the
-        next batch; a rank that ran out of memory raises :class:`OutOfMemoryStepError` (no rank applies the
-        step)."""
+        next batch, and said when a device's is first measured or changes the shares; a rank that ran out of
+        memory raises :class:`OutOfMemoryStepError` (no rank applies the step)."""
         devices = self.comm.runtime.devices
         for r, cap in enumerate(caps):
-            if cap > 0 and self.balancer.measured_cap(r, cap) and self.comm.rank == self.comm.leader:
+            if cap <= 0:
+                continue
+            changed = self.balancer.measured_cap(r, cap)
+            first = r not in self._said
+            self._said.add(r)
+            if (changed or first) and self.comm.rank == self.comm.leader:
                 total = self.balancer.batch_size or 0
                 shares = "/".join(f"{s / total:.0%}" for s in self.balancer.shares(total)) if total else ""
                 how = self.describe() if r == self.comm.rank else ""
