@@ -101,6 +101,7 @@ class StepsCore:
         self.user_test_step = own_method(cls, "test_step")
         self._initialized = False
         self.shards = None  # the optimizers in parts (``shard_optimizer=True``), where the backend builds them
+        self.memory = None  # the memory policy (balancing/caps.py's DeviceMemory), where the backend measures
         self._said_parts = False
 
     # ---------------------------------------------------------- the contract
@@ -275,7 +276,7 @@ class StepsCore:
             try:
                 return solo()
             except Exception as exc:
-                if not is_out_of_memory(exc):
+                if self.memory is None or not is_out_of_memory(exc):
                     raise
             self._release()
             return 0.0, 0.0
