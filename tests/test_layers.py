@@ -297,3 +297,10 @@ def test_only_the_step_driver_takes_a_step_again():
              for path in sorted((ROOT / "backend").glob("*/*.py"))}
     assert {k: v for k, v in wrong.items() if v} == {}
     assert _retries((ROOT / "backend" / "driver.py").read_text())  # the check sees the one loop
+
+
+def test_no_module_is_over_400_lines():
+    """A module that grows past 400 lines holds more than one concern: it is split, not let grow."""
+    long = {path.relative_to(ROOT).as_posix(): n for path in sorted(ROOT.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}, long

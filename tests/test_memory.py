@@ -198,18 +198,25 @@ def test_a_fast_device_with_little_memory_gets_what_fits_and_an_out_of_memory_st
     assert runner.leftovers() == []
 
 
-def test_tensorflow_caps_a_device_by_its_measured_memory_and_takes_an_out_of_memory_step_again(runner, tmp_path):
-    """The same on TensorFlow, through the same neutral policy and step driver: ``cpu:0/256MiB`` beside
-    ``cpu:1@0.5``, batch 1024 then 2048. TensorFlow's CPU allocator keeps the pool it grew, so the measurement
+@pytest.mark.parametrize("backend, size, batch, fault", [
+    ("tensorflow", "256MiB", 1024, "0:forward/oom:20"),
+    pytest.param("jax", "512MiB", 2048, "0:forward/oom:10", marks=pytest.mark.outside),
+])
+def test_tensorflow_and_jax_cap_a_device_by_its_measured_memory_and_take_an_out_of_memory_step_again(
+        runner, tmp_path, backend, size, batch, fault):
+    """The same on TensorFlow and JAX, through the same neutral policy and step driver: ``cpu:0/SIZE`` beside
+    ``cpu:1@0.5``, batch B then 2B. TensorFlow's CPU allocator keeps the pool it grew, so the measurement
     reads the process's private memory (what the limit counts) and its pool is held to half the device's size
-    (the rest stays for the step's sums); an out-of-memory error injected in rank 0's 20th step, and any real one
-    (``ResourceExhaustedError``, oneDNN's), is taken again within seconds; the weights equal one device's."""
+    (the rest stays for the step's sums). JAX's compiler and kernels allocate in the same process, a new
+    executable per local batch size, so its device is given more (at 384MiB XLA's compiler aborted the process
+    with ``std::bad_alloc``, which nothing can take again); its kernels' failed workspace (``YNNPACK operation
+    failed``) is an out-of-memory step. An out-of-memory error injected in rank 0's Nth step, and any real one,
+    is taken again within seconds; the weights equal one device's."""
     out = tmp_path / "out.json"
-    result = runner.script("memory_caps.py", "cpu:0/256MiB,cpu:1@0.5", "auto", str(out), "--batch", "1024",
-                           timeout=300, extra_env={"MULTIGPU_FAULT": "0:forward/oom:20",
-                                                   "KERAS_BACKEND": "tensorflow"})
+    result = runner.script("memory_caps.py", f"cpu:0/{size},cpu:1@0.5", "auto", str(out), "--batch", str(batch),
+                           timeout=300, extra_env={"MULTIGPU_FAULT": fault, "KERAS_BACKEND": backend})
     assert result.returncode == 0, result.stdout[-3000:]
-    assert re.search(r"multigpu: CPU:0 holds at most \d+ rows \(.* a row of 256MiB left\): shares", result.stdout), \
+    assert re.search(r"multigpu: CPU:0 holds at most \d+ rows \(.* a row of \d+MiB left\): shares", result.stdout), \
         result.stdout[-3000:]
     found = re.findall(r"out of memory on CPU:0 at (\d+) rows: CPU:0 holds at most (\d+) rows; the step again "
                        r"with rows CPU:0 (\d+), CPU:1@0.5 (\d+) of (\d+) \(([\d.]+) s after the error\)",
@@ -217,6 +224,25 @@ def test_tensorflow_caps_a_device_by_its_measured_memory_and_takes_an_out_of_mem
     assert found, result.stdout[-3000:]
     for short, cap, rows, other, total, seconds in found:
         assert int(rows) <= int(cap) < int(short) and int(rows) + int(other) == int(total) and float(seconds) < 5.0
+    assert json.loads(out.read_text())["error"] < 1e-5
+    assert runner.leftovers() == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow", pytest.param("jax", marks=pytest.mark.outside)])
+def test_a_train_step_of_the_models_own_that_runs_out_of_memory_is_taken_again(runner, tmp_path, backend):
+    """A ``train_step`` of the model's own (each backend's guide) on ``cpu:0/1GiB`` beside ``cpu:1``, an
+    out-of-memory error injected in rank 0's 5th step before its optimizer call: the step's first gradient sum
+    carries every rank's memory word, so no rank applies it; CPU:0's cap is lowered, the same global batch cut
+    again and the step taken again within seconds; the weights equal one device's."""
+    out = tmp_path / "out.json"
+    result = runner.script("custom_oom.py", "cpu:0/1GiB,cpu:1", str(out), timeout=240,
+                           extra_env={"MULTIGPU_FAULT": "0:forward/oom:5", "KERAS_BACKEND": backend})
+    assert result.returncode == 0, result.stdout[-3000:]
+    found = re.findall(r"out of memory on CPU:0 at (\d+) rows: CPU:0 holds at most (\d+) rows; the step again "
+                       r"with rows CPU:0 (\d+), CPU:1 (\d+) of (\d+) \(([\d.]+) s after the error\)", result.stdout)
+    assert len(found) == 1, result.stdout[-3000:]
+    short, cap, rows, other, total, seconds = found[0]
+    assert int(rows) <= int(cap) < int(short) and int(rows) + int(other) == int(total) and float(seconds) < 5.0
     assert json.loads(out.read_text())["error"] < 1e-5
     assert runner.leftovers() == []
 

@@ -131,13 +131,11 @@ def _probes(owner: str) -> list:
 
 
 def _tested() -> str:
-    (a, b), (c, d) = TESTED
-    return f"{a}.{b} to {c}.{d - 1}"
+    return f"{TESTED[0][0]}.{TESTED[0][1]} to {TESTED[1][0]}.{TESTED[1][1] - 1}"
 
 
 def _requirement() -> str:
-    (a, b), (c, d) = TESTED
-    return f"keras>={a}.{b},<{c}.{d}"
+    return f"keras>={TESTED[0][0]}.{TESTED[0][1]},<{TESTED[1][0]}.{TESTED[1][1]}"
 
 
 @_uses("Model", "_compute_loss")
@@ -369,11 +367,8 @@ def seed_variables(model) -> list:
 
 @_uses("BackupAndRestore", "_save_model", "_weights_path", "delete_checkpoint")
 def silence_backup_saving(callback, ledger) -> None:
-    """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``).
-
-    It still calls the model's ``save_weights`` where Keras would: the parallel
-    model's saving writes on rank 0 only, and every rank waits there for it.
-    """
+    """Makes a ``BackupAndRestore`` restore but never write (``_save_model``, ``delete_checkpoint``); it still
+    calls the model's ``save_weights`` where Keras would (written on rank 0, every rank waits there for it)."""
 
     def save_nothing_but_wait(*args, **kwargs) -> None:
         callback.model.save_weights(filepath=callback._weights_path, overwrite=True)

@@ -48,6 +48,9 @@ class Facts:
             so that the framework's allocator keeps within it (TensorFlow: its pool of large tensors, which it
             never gives back, held to half the size).
         takes_torch_tensors: whether ``keras.ops.convert_to_tensor`` takes a torch tensor (a DataLoader's).
+        warm_up: what a rank on a CPU device given a memory size runs before its limit begins: what the
+            framework allocates once per process and never gives back (JAX: its CPU client's thread pools, which
+            abort the process when they cannot allocate), so that the device's memory is the training's.
     """
 
     name: str
@@ -63,3 +66,4 @@ class Facts:
     join_first: bool = False
     takes_torch_tensors: bool = True
     cpu_memory_environment: Callable[[int], dict] = field(default=lambda size: {})
+    warm_up: Callable[[], None] = field(default=lambda: None)

@@ -64,7 +64,7 @@ class Recovery:
     @property
     def elastic(self) -> bool:
         """Whether this run goes on without a lost device (``min_devices``)."""
-        return self.comm.min_devices is not None
+        return getattr(self.comm, "min_devices", None) is not None  # JAX's group has none: it cannot go on
 
     def keep(self, also: bool = False):
         """Before a step that may have to be taken again (a run that may lose a rank, or ``also``): what it

@@ -40,6 +40,9 @@ WINDOW_STEPS = 3
 # window at worse shares and new local batch sizes, and on a noisy machine a search that goes on keeps
 # probing (issue 54: windows at one share spread as much as the moves they judge).
 SETTLE_STEPS = 40
+# A device's measured cap moves only when a measurement at another local batch size differs by more than this:
+# each move is a new local batch size (a slow first step, steps unmeasured) for a few rows.
+CAP_TOLERANCE = 0.05
 
 
 class LoadBalancer:
@@ -156,8 +159,9 @@ class LoadBalancer:
     def measured_cap(self, rank: int, rows: int) -> bool:
         """``rank``'s device holds about ``rows`` rows, by its measured memory per row; returns whether the plans
         of the current global batch change (the cap now binds there)."""
-        if self._caps["measured"][rank] == int(rows):
-            return False
+        old = self._caps["measured"][rank]
+        if old is not None and abs(int(rows) - old) <= CAP_TOLERANCE * old:
+            return False  # a measurement at another local batch size that says the same: the cap stays put
         before = self.shares(self.batch_size) if self.batch_size else None
         self._caps["measured"][rank] = int(rows)
         self._apply_caps()
@@ -171,9 +175,8 @@ class LoadBalancer:
         caps = [None if all(c is None for c in cs) else min(c for c in cs if c is not None)
                 for cs in zip(*self._caps.values())]
         self.options.caps = None if all(c is None for c in caps) else caps
-        if self.search is not None:
+        if self.search is not None:  # (its windows go on: a step at other shares than the search's starts anew)
             self.search.caps = self.options.caps
-            self._window = StepsWindow()
 
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:

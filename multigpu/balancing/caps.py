@@ -33,6 +33,8 @@ import gc
 import time
 from typing import Protocol
 
+import numpy as np
+
 from multigpu import failure
 from multigpu.balancing.memory import RowMemory
 from multigpu.devices import format_size
@@ -44,7 +46,8 @@ __all__ = ["DeviceMemory", "KeptProcessMemory", "MemoryProbe", "OutOfMemoryStepE
 
 _MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory", "oom when allocating",
              "resource_exhausted", "resource exhausted",
-             "status: 1, message: could not execute a primitive")  # oneDNN's status 1: dnnl_out_of_memory
+             "status: 1, message: could not execute a primitive",  # oneDNN's status 1: dnnl_out_of_memory
+             "ynnpack operation failed")  # XLA's CPU kernels (JAX) when their workspace cannot be allocated
 SHRINK = 0.9  # a device that ran out at N rows is planned at most 0.9 N (or the most it has held below N)
 
 
@@ -214,6 +217,18 @@ class DeviceMemory:
                          f"{f' ({how})' if how else ''}: shares {shares} of {total}.")
         if any(short):
             raise OutOfMemoryStepError(list(short))
+
+    def word(self, short: int = 0) -> np.ndarray:
+        """The word a step of the model's own adds to its first gradient sum (one float per rank; ``short``, the
+        rows this rank could not hold, at its own), so that a rank that ran out stops every rank's update."""
+        word = np.zeros(self.comm.world_size, np.float32)
+        word[self.comm.rank] = short
+        return word
+
+    def read_word(self, summed) -> None:
+        """Reads the summed word of a step of the model's own: raises :class:`OutOfMemoryStepError` on every rank
+        where one ran out."""
+        self.read([round(float(v)) for v in summed], [0] * self.comm.world_size)
 
     def cut_again(self, short: OutOfMemoryStepError, plan):
         """Lowers the caps of the ranks that ran out and cuts the same global batch again by them: ``(this

@@ -193,6 +193,7 @@ def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
     if not runtime.device.is_cuda and runtime.device.memory is not None:
         from multigpu.throttle import limit_memory
 
+        backend.facts().warm_up()
         limit_memory(runtime.device.memory)  # after the join: the device's memory is the training's
         if found is not None and not found.knows_every_device and found.rank == 0:
             machines = found.world_size // max(1, found.local_size)

@@ -1,9 +1,10 @@
 """A fast device with little memory beside a slow one with plenty: automatic shares at batch B, then 2B.
 
-    python memory_caps.py DEVICES RATIOS OUT [--batch B [--gpu-mib M]]
+    python memory_caps.py DEVICES RATIOS OUT [--batch B] [--gpu-mib M] [--model mlp|convnet]
 
 ``--gpu-mib M`` holds a GPU rank's torch allocator to M MiB (``torch.cuda.set_per_process_memory_fraction``):
-a real CUDA out-of-memory error.
+a real CUDA out-of-memory error. ``--model convnet`` trains a small convnet (28x28x1 images, two
+convolutions) instead of the MLP with wide activations.
 
 The last rank (not bounded) trains one device on the same batches and writes the largest difference of the
 weights, relative to their scale, to OUT.
@@ -21,19 +22,26 @@ import numpy as np
 import multigpu
 
 devices, ratios, out = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
-batch = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--batch" else 256
-gpu_mib = float(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] == "--gpu-mib" else None
+flags = dict(zip(sys.argv[4::2], sys.argv[5::2]))
+batch = int(flags.get("--batch", 256))
+gpu_mib = float(flags["--gpu-mib"]) if "--gpu-mib" in flags else None
+convnet = flags.get("--model", "mlp") == "convnet"
 rng = np.random.default_rng(0)
 rows = max(8192, 4 * batch)
-x = rng.standard_normal((rows, 64)).astype(np.float32)
+x = rng.standard_normal((rows, 28, 28, 1) if convnet else (rows, 64)).astype(np.float32)
 y = rng.integers(0, 10, rows)
 
 
 def build():
     keras.utils.set_random_seed(0)
-    # Wide activations over few weights: a step's memory is mostly its rows'.
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8192, activation="tanh"),
-                              keras.layers.Dense(10)])
+    if convnet:  # activations of 28x28x32 and 14x14x64 a row: a step's memory is mostly its rows'
+        layers = [keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                  keras.layers.MaxPooling2D(),
+                  keras.layers.Conv2D(64, 3, padding="same", activation="relu"), keras.layers.GlobalAveragePooling2D(),
+                  keras.layers.Dense(10)]
+    else:  # wide activations over few weights: a step's memory is mostly its rows'
+        layers = [keras.Input((64,)), keras.layers.Dense(8192, activation="tanh"), keras.layers.Dense(10)]
+    model = keras.Sequential(layers)
     model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 

@@ -12,6 +12,12 @@ A rank with no rows runs the step on its last batch (before its first rows,
 on one row of zeros) with gradient weight 0, so that it makes the same
 optimizer calls and logs the same names as the others; it sends zeros and
 keeps its non-trainable and metric states as they were.
+
+A step's first sum also carries the memory word (:meth:`DeviceMemory.word
+<multigpu.balancing.caps.DeviceMemory.word>`): a rank whose step ran out of
+memory before it joins that sum with zeros and the rows it could not hold,
+and every rank raises before its update, to take the step again
+(:mod:`multigpu.backend.driver`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from multigpu import membership
 from multigpu._keras.compat import optimizer_variables as optimizer_variables_of
 from multigpu._keras.model_parts import optimizers_of
 from multigpu.backend.jax.packing import flat, metric_results, one_row_of_zeros, split
 from multigpu.backend.logs import other_scalars, read_summed
 from multigpu.backend.sharding import holder
+from multigpu.balancing.caps import OutOfMemoryStepError, is_out_of_memory
 
 __all__ = ["EagerSteps"]
 
@@ -53,6 +61,8 @@ class EagerSteps:
         self._last_test_batch = None
         self.ledger = steps.parallel.ledger
         self._weight: float | None = None  # the step's gradient weight while a step of the model's own runs
+        self._word = False  # the running step's next sum carries the memory word
+        self._first = None  # the length of a step's first gradient sum (a rank that ran out sends as much)
 
     def train(self, state, data, plan) -> tuple[dict, tuple, dict]:
         """One training step; returns its logs, the new state and the global results."""
@@ -66,8 +76,16 @@ class EagerSteps:
             self.exchange.begin_step(plan.weight, not idle)
         self._install()
         self._weight = 0.0 if idle else plan.weight
+        self._word = True
         try:
+            if not idle:
+                membership.fault_out_of_memory(self.comm.rank)
             logs, new_state = self.user_train_step(self.model, state, self._last_batch if idle else data)
+        except Exception as exc:
+            if (idle or isinstance(exc, OutOfMemoryStepError) or not self.steps.memory.bounded or not self._word
+                    or not is_out_of_memory(exc)):
+                raise  # (after its first sum, a step that ran out ends the run: some updates were applied)
+            self._ran_out(plan.local)
         finally:
             self._weight = None
         if idle and self.exchange is None:
@@ -99,6 +117,33 @@ class EagerSteps:
             if not self.ledger.owns(optimizer, "stateless_apply"):
                 self.ledger.set(optimizer, "stateless_apply", self._summed_apply(optimizer, optimizer.stateless_apply))
 
+    def _sum(self, vector) -> np.ndarray:
+        """The sum of a weighted gradient vector over ranks; the step's first carries the memory word (which
+        raises on every rank where one ran out)."""
+        word = self._word
+        if word:
+            self._word = False
+            self._first = int(vector.shape[0])
+            vector = jnp.concatenate([vector, jnp.asarray(self.steps.memory.word(), vector.dtype)])
+        vector = jax.block_until_ready(vector if self.half is None else vector.astype(self.half))
+        with self.timing.waiting():
+            summed = self.comm.reduce(vector, "summing gradients").astype(np.float32, copy=False)
+        if word:
+            self.steps.memory.read_word(summed[self._first :])
+            summed = summed[: self._first]
+        return summed
+
+    def _ran_out(self, rows: int) -> None:
+        """This rank's step ran out of memory before its first sum: it joins the sum with zeros and the rows it
+        could not hold (every rank raises :class:`~multigpu.balancing.caps.OutOfMemoryStepError`)."""
+        self.steps.memory.release()
+        n = self._first if self._first is not None else sum(int(np.prod(v.shape))
+                                                            for v in self.model.trainable_variables)
+        self.steps.memory.read_word(self.comm.reduce(
+            jnp.concatenate([jnp.zeros(n, jnp.float32 if self.half is None else self.half),
+                             jnp.asarray(self.steps.memory.word(rows), self.half or jnp.float32)]),
+            "summing gradients")[n:])
+
     def _summed_apply(self, optimizer, original):
         def stateless_apply(optimizer_variables, grads, trainable_variables):
             weight = self._weight
@@ -108,9 +153,7 @@ class EagerSteps:
                 vector = jnp.zeros(sum(int(np.prod(g.shape)) for g in grads), jnp.float32)
             else:
                 vector = jnp.concatenate([jnp.zeros(0, jnp.float32), *(g * weight for g in flat(grads))])
-            vector = jax.block_until_ready(vector if self.half is None else vector.astype(self.half))
-            with self.timing.waiting():
-                summed = self.comm.reduce(vector, "summing gradients").astype(np.float32, copy=False)
+            summed = self._sum(vector)
             trainable, state = original(optimizer_variables, split(jnp.asarray(summed), list(grads)),
                                         trainable_variables)
             shards = self.steps.shards

@@ -21,6 +21,14 @@ def _versions() -> dict:
     return {name: md.version(name) for name in ("jax", "jaxlib")}
 
 
+def _warm_up() -> None:
+    """JAX's CPU client, its thread pools and a first dispatch, made before a CPU device's memory limit (under
+    it they abort the process with ``std::bad_alloc`` instead of raising)."""
+    import jax.numpy as jnp
+
+    (jnp.ones(8) @ jnp.ones(8)).block_until_ready()
+
+
 FACTS = Facts("jax", grid=16, scan=False, join_first=True, shard_optimizer=True, takes_torch_tensors=False,
               gpu_count=driver_gpu_count,
-              gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions)
+              gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions, warm_up=_warm_up)

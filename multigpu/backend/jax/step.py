@@ -43,17 +43,24 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from multigpu import membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows
+from multigpu.backend.driver import StepDriver
 from multigpu.backend.jax.custom import EagerSteps
+from multigpu.backend.jax.evaluation import Evaluation
+from multigpu.backend.jax.memory import GpuMemory
 from multigpu.backend.jax.packing import COMPRESSION, flat, metric_results, split
+from multigpu.backend.message import StepMessage
+from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
+from multigpu.balancing.caps import DeviceMemory, is_out_of_memory
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["JaxSteps"]
 
 
-class JaxSteps(StepsCore):
+class JaxSteps(Evaluation, StepsCore):
     """The functions of one parallel model on JAX (see the module docstring and :mod:`multigpu.backend.steps`).
 
     Args:
@@ -78,6 +85,12 @@ class JaxSteps(StepsCore):
             from multigpu.backend.jax.sharding import ShardedOptimizers
 
             self.shards = ShardedOptimizers(self.comm, parallel.ledger)
+        self.recovery = Recovery(self)  # JAX's sums end the run after a lost device: a step is kept for memory
+        self.memory = DeviceMemory(self.comm, self.balancer, probe=GpuMemory(self.comm.device))
+        self.message = StepMessage(self.timing.size, self.comm.world_size)
+        self.driver = StepDriver(self)
+        self._state: tuple | None = None  # the state the step running now starts from (the driver may retry it)
+        self._kept: tuple | None = None  # copies of the state a step donates, while it may be taken again
         self.eager = EagerSteps(self)  # a train_step or test_step of the model's own
         self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
         self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
@@ -188,34 +201,54 @@ class JaxSteps(StepsCore):
         return self._batches(self._train_batch, state, iterator)
 
     def _train_batch(self, state, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        plan = self.balancer.planner.take(batch_rows(x))
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self.shards is not None:  # an optimizer in parts: the state of this rank's part only
             self.see_optimizers()
             state = (state[0], state[1], self.shards.before_step(self.model.optimizer, state[2]), state[3])
-        if not self.balancer.calibrated:
-            self._calibrate_on(state, x, y, sample_weight, plan)
+        self._state = state
+        try:
+            return self.driver.train(data, batch_rows(x), self._train_on, self._calibrate_on)
+        finally:
+            self._state = self._kept = None
+
+    # The driver's hooks: JAX's state is values, so what a step changes is the state it starts from.
+    def snapshot(self) -> tuple:
+        """Copies of the non-trainable and metric states (the step's function donates them)."""
+        _, non_trainable, _, metrics = self._state
+        self._kept = jax.tree.map(jnp.copy, (non_trainable, metrics))
+        return self._kept
+
+    def restore_forward(self, kept: tuple | None) -> None:
+        if kept is not None:
+            trainable, _, optimizer, _ = self._state
+            self._state = (trainable, kept[0], optimizer, kept[1])
+
+    def restore_metrics(self) -> None:
+        """The metric states came back with :meth:`restore_forward`."""
+
+    def _train_on(self, data, plan):
+        """One attempt at a training step from ``self._state``; returns ``(logs, new state)``."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        state = self._state
+        self._fresh = None
         if self.user_train_step is not None:
-            self._fresh = None
             logs, new_state, self._fresh = self.eager.train(state, data, plan)
             return logs, new_state
         trainable, non_trainable, optimizer, metrics = state
-        self._fresh = None
         self._compiled = False
         self.timing.begin()
-        tail = np.asarray([float(plan.local), *self.timing.vector()], dtype=np.float32)
         weight = np.float32(plan.weight)
         if self.exchange is not None:
             self.exchange.begin_step(plan.weight, plan.local > 0)
         if plan.local > 0:
-            vector, non_trainable, metrics = self._timed_first(
-                "train", plan.local, lambda: self._local(trainable, non_trainable, metrics, optimizer, x, y,
-                                                         sample_weight, weight, tail))
+            vector, non_trainable, metrics = self._local_vector(trainable, non_trainable, metrics, optimizer, x, y,
+                                                                sample_weight, weight, plan.local)
         elif self.exchange is not None:
             vector, non_trainable = self._timed_first(
-                "idle", 0, lambda: self._idle_exchanging(trainable, non_trainable, metrics, x, weight, tail))
+                "idle", 0, lambda: self._idle_exchanging(trainable, non_trainable, metrics, x, weight,
+                                                         self._message()))
         else:
-            vector = self._timed_first("idle", 0, lambda: self._idle(metrics, tail))
+            vector = self._timed_first("idle", 0, lambda: self._idle(metrics, self._message()))
         jax.block_until_ready(vector)  # JAX runs asynchronously: computing is not waiting for the others
         with self.timing.waiting():
             if self.half is None:
@@ -225,22 +258,55 @@ class JaxSteps(StepsCore):
                 summed = np.concatenate([grads.astype(np.float32), rest])
         if self.exchange is not None:
             self.exchange.end_step()  # every rank is past its exchanges: it took part in the sum
+        said = self.message.read(summed[self._n_grads + self._n_states :])
+        self.memory.read(said.short, said.cap)  # new caps; a rank that ran out: none applies the step
         if not self._applied:  # the first step compiles the update too: not a measurement of the shares
             self._applied = self._compiled = True
         trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
         if self.shards is not None:  # the owners' new weights on every rank
             trainable = self.shards.share(self.model.optimizer, self._trainable_refs, trainable)
-        self._record(summed[self._n_grads + self._n_states + 1 :])
+        self._record(said.timing)
+        self.memory.fitted(plan.sizes)
         self.timing.end(plan.local)
         if self._compiled:
             self.timing.discard()
         return logs, (trainable, non_trainable, optimizer, metrics)
 
+    def _message(self, short: int = 0, cap: int = 0) -> np.ndarray:
+        """This rank's step message (:mod:`multigpu.backend.message`), as float32."""
+        return np.asarray(self.message.pack(self.comm.rank, self.timing.vector(), False, short, cap), np.float32)
+
+    def _local_vector(self, trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, rows: int):
+        """This rank's part of the sum on its ``rows`` rows: ``(vector, non-trainable, metric states)``; a rank
+        that ran out of memory sends what a rank with no rows sends, and says so in its message."""
+        try:
+            self.memory.begin(rows)
+            membership.fault_out_of_memory(self.comm.rank)
+            vector, non_trainable, metrics = self._timed_first(
+                "train", rows, lambda: self._local(trainable, non_trainable, metrics, optimizer, x, y,
+                                                   sample_weight, weight, self._message()))
+            jax.block_until_ready(vector)
+        except Exception as exc:
+            if not is_out_of_memory(exc) or self._kept is None or self.exchange is not None:
+                raise  # (global BatchNorm statistics: the other ranks wait in an exchange this rank left)
+            self.memory.release()
+            non_trainable, metrics = self._kept  # the failed call may have taken the donated ones
+            return self._idle(metrics, self._message(short=rows)), non_trainable, metrics
+        cap = self.memory.end(rows)
+        if cap:  # a measured step (a few per local batch size): the cap into its slot of the message
+            at = self._n_states + self.message.sections["cap"][0] + self.comm.rank
+            if self.half is None:
+                vector = vector.at[self._n_grads + at].set(cap)
+            else:
+                vector = (vector[0], vector[1].at[at].set(cap))
+        return vector, non_trainable, metrics
+
     def _record(self, timing) -> None:
         self.balancer.record(StepRecord.from_vector([float(v) for v in timing], self.comm.world_size, complete=True))
 
-    def _calibrate_on(self, state, x, y, sample_weight, plan) -> None:
-        trainable, non_trainable, optimizer, metrics = state
+    def _calibrate_on(self, data, plan) -> None:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        trainable, non_trainable, optimizer, metrics = self._state
 
         def solo() -> tuple[float, float]:
             if plan.local == 0 or self.user_train_step is not None:
@@ -256,7 +322,7 @@ class JaxSteps(StepsCore):
         It times the step's own compiled local function on copies of the
         state, so that the compilation serves the first step too.
         """
-        weight, tail = np.float32(1.0), np.zeros(1 + self.timing.size, np.float32)
+        weight, tail = np.float32(1.0), self._message()
 
         def call():
             copies = [jax.tree.map(jnp.copy, v) for v in (non_trainable, metrics)]  # the function donates them
@@ -266,87 +332,3 @@ class JaxSteps(StepsCore):
             return time_alone(lambda: jax.block_until_ready(call()), rows, min_steps=min_steps,
                               min_seconds=min_seconds, max_steps=max_steps,
                               first=lambda: self._timed_first("train", rows, call))
-
-    # ---------------------------------------------------------- evaluation
-    def _build_test(self) -> None:
-        model = self.model
-        metric_refs = list(model.metrics_variables)
-        n_states = sum(int(np.prod(v.shape)) for v in metric_refs)
-
-        def local(trainable, non_trainable, metrics, x, y, sample_weight):
-            _, aux = model.compute_loss_and_updates(trainable, non_trainable, metrics, x, y, sample_weight,
-                                                    training=False)
-            unscaled, y_pred, non_trainable, metrics = aux
-            _, metrics = _compat.update_metrics_variables(model, metrics, unscaled, x, y, y_pred, sample_weight)
-            return non_trainable, metrics
-
-        def results(summed):
-            return self._results(summed, metric_refs, 0)
-
-        self._test_local = jax.jit(local, donate_argnums=(2,))
-        self._test_pack = jax.jit(lambda metrics: jnp.concatenate([jnp.zeros(0, jnp.float32), *flat(metrics)]))
-        self._test_results = jax.jit(results)
-        self._test_n = n_states
-        self._test = True
-
-    def _test_function(self, state, iterator):
-        return self._batches(self._test_batch, state, iterator)
-
-    def _test_batch(self, state, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        trainable, non_trainable, metrics = state
-        rows = batch_rows(x)
-        self._fresh = None
-        if self.user_test_step is not None:
-            logs, new_state, self._fresh = self.eager.test(state, data, rows)
-            return logs, new_state
-        if rows > 0:
-            non_trainable, metrics = self._timed_first(
-                "test", rows, lambda: self._test_local(trainable, non_trainable, metrics, x, y, sample_weight))
-        summed = self.comm.reduce(self._test_pack(metrics), "summing the step's metrics")
-        logs = self._test_results(summed)
-        self._fresh = logs
-        return logs, (trainable, non_trainable, metrics)
-
-    # ---------------------------------------------------------- prediction
-    def make_predict_function(self, force: bool = False):
-        self._initialize()
-        if self._predict is None or force:
-            model = self.model
-            step = model.predict_step  # a predict_step of the model's own is stateless code too
-
-            def predict(state, data):
-                outputs, non_trainable = step(state, data)
-                return outputs, (state[0], non_trainable)
-
-            self._predict = jax.jit(predict)
-        self.model.predict_function = self._predict_function
-        return self._predict_function
-
-    def _predict_function(self, state, iterator):
-        return self._batches(self._predict_batch, state, iterator, concatenate=True)
-
-    def _predict_batch(self, state, data):
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if batch_rows(x) > 0:
-            return self._predict(state, data)
-        # No rows here: outputs with no rows, of the model's shapes (one zero row through the model).
-        one = keras.tree.map_structure(lambda a: None if a is None else jnp.zeros((1, *a.shape[1:]), a.dtype), x)
-        outputs, state = self._predict(state, (one,))
-        return keras.tree.map_structure(lambda a: a[:0], outputs), state
-
-    # ---------------------------------------------------------- metrics
-    def get_metrics_result(self):
-        """Global results; Keras's own (local) ones while JAX traces a function (a step, a shape inference)."""
-        if isinstance(jnp.zeros(()), jax.core.Tracer):
-            return self.keras_metrics_result()
-        if self._fresh is None:
-            refs = list(self.model.metrics_variables)
-            summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat([v.value for v in refs])]),
-                                      "summing metrics")
-            self._fresh = self._results(jnp.asarray(summed), refs, 0)  # eagerly: rare, and nothing to compile
-        return {k: np.asarray(v) if hasattr(v, "shape") and v.shape else float(v) for k, v in self._fresh.items()}
-
-    def reset_metrics(self):
-        self._fresh = None
-        return self.keras_reset_metrics()

@@ -17,6 +17,12 @@ A rank with no rows runs the step on its last batch (before its first rows,
 on one row of zeros) with gradient weight 0, so that it makes the same
 optimizer calls and logs the same names as the others; it sends zeros and
 puts its non-trainable and metric states back as they were.
+
+A step's first sum also carries the memory word (:meth:`DeviceMemory.word
+<multigpu.balancing.caps.DeviceMemory.word>`): a rank whose step ran out of
+memory before it joins that sum with zeros and the rows it could not hold,
+and every rank raises before its update, to take the step again
+(:mod:`multigpu.backend.driver`).
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from multigpu import membership
 from multigpu._keras.model_parts import optimizers_of
 from multigpu.backend.logs import other_scalars, read_summed
 from multigpu.backend.tensorflow.tensors import flat, metric_results, one_row_of_zeros, split
+from multigpu.balancing.caps import OutOfMemoryStepError, is_out_of_memory
 
 __all__ = ["CustomSteps"]
 
@@ -53,6 +61,9 @@ class CustomSteps:
         self._last_batch = None  # the last batch with rows, for the steps where this rank has none
         self._last_test_batch = None
         self._summing = False  # a step of the model's own is running (or being traced)
+        self._word = False  # the running step's next sum carries the memory word
+        self._first: int | None = None  # the length of a step's first gradient sum (a rank that ran out sends it)
+        self._stopped: OutOfMemoryStepError | None = None  # raised inside the step's graph, raised again outside
 
     def _compiled(self, method):
         model = self.model
@@ -77,9 +88,18 @@ class CustomSteps:
             bn.begin_step(0.0 if idle else plan.weight, contributes=not idle)
         self.timing.begin()
         self._install()
-        self._summing = True
+        self._summing = self._word = True
         try:
+            if not idle:
+                membership.fault_out_of_memory(self.comm.rank)
             logs = self._train(self._last_batch if idle else data)
+        except Exception as exc:
+            stopped, self._stopped = self._stopped, None
+            if stopped is not None:
+                raise stopped from None
+            if idle or not self.steps.memory.bounded or not self._word or not is_out_of_memory(exc):
+                raise  # (after its first sum, a step that ran out ends the run: some updates were applied)
+            self._ran_out(plan.local)
         finally:
             self._summing = False
         if kept is not None:
@@ -112,8 +132,34 @@ class CustomSteps:
                 v.assign(value)
 
     def _sum(self, vector: np.ndarray) -> np.ndarray:
+        """The sum of a weighted gradient vector over ranks; the step's first carries the memory word (which
+        raises on every rank where one ran out)."""
+        word = self._word
+        if word:
+            self._word = False
+            self._first = vector.size
+            vector = np.concatenate([vector, self.steps.memory.word().astype(vector.dtype)])
         with self.timing.waiting():
-            return self.comm.reduce(vector, "summing gradients").copy()
+            summed = self.comm.reduce(vector, "summing gradients").copy()
+        if word:
+            try:
+                self.steps.memory.read_word(summed[self._first :])
+            except OutOfMemoryStepError as exc:
+                self._stopped = exc  # TensorFlow wraps what a numpy_function raises
+                raise
+            summed = summed[: self._first]
+        return summed
+
+    def _ran_out(self, rows: int) -> None:
+        """This rank's step ran out of memory before its first sum: it joins the sum with zeros and the rows it
+        could not hold (every rank raises :class:`~multigpu.balancing.caps.OutOfMemoryStepError`)."""
+        self.steps.memory.release()
+        dtype = np.float32 if self.steps.half is None else self.steps.half.as_numpy_dtype
+        n = self._first if self._first is not None else sum(int(np.prod(v.shape))
+                                                            for v in self.model.trainable_variables)
+        summed = self.comm.reduce(np.concatenate([np.zeros(n, dtype), self.steps.memory.word(rows).astype(dtype)]),
+                                  "summing gradients")
+        self.steps.memory.read_word(summed[n:])
 
     def _install(self) -> None:
         """Every optimizer's ``apply`` (once each, through the model's ledger) applies the weighted gradients

@@ -17,16 +17,13 @@ one flag per variable (a variable without a gradient on every rank keeps
 there), whatever the step attached (metric states and step timings), and a
 short header that catches ranks whose calls differ.
 
-A step's figures have one owner, the :class:`StepSums` that
-:meth:`GradientSync.begin_step` makes: the step's weight ``b_r / B``, the
-extras and their sum, its calls, and, in a run that may lose a rank, what its
-updates change, so that a step of the model's own can be put back
-(:meth:`GradientSync.undo`).  Compression (``"bf16"``, ``"fp16"``) sends the
-weighted gradients in 16 bits and the rest in float32 (weighted before the
-cast).  With ``overlap`` (between machines and on GPUs), from the second step
-on each call's gradients are summed in buckets while the backward pass runs
-(:mod:`multigpu.backend.torch.overlap`), planned by the same call's variables
-in the previous step.
+A step's figures have one owner, the :class:`StepSums` that :meth:`GradientSync.begin_step` makes: the step's
+weight ``b_r / B``, the extras and their sum, its calls, and, in a run that may lose a rank, what its updates
+change, so that a step of the model's own can be put back (:meth:`GradientSync.undo`). Compression
+(``"bf16"``, ``"fp16"``) sends the weighted gradients in 16 bits and the rest in float32 (weighted before the
+cast). With ``overlap`` (between machines and on GPUs), from the second step on each call's gradients are
+summed in buckets while the backward pass runs (:mod:`multigpu.backend.torch.overlap`), planned by the same
+call's variables in the previous step.
 """
 
 from __future__ import annotations
@@ -109,6 +106,7 @@ class GradientSync:
         self._hooked: dict[int, object] = {}  # id(tensor) -> its hook's handle
         self.overlapping = False  # the last step's calls were summed during the backward pass
         self._kept_values: dict[int, torch.Tensor] = {}  # id(variable) -> where a step keeps its value (keep=True)
+        self.read_extras = None  # what reads the summed extras of a call that sent some, while it is set
 
     # ------------------------------------------------------------ wiring
     def wrap(self, optimizer, ledger) -> None:
@@ -270,6 +268,8 @@ class GradientSync:
         else:
             out = self._reduce_whole(step, grads, variables, extras, call)
         self._arm(call + 1)
+        if extras is not None and self.read_extras is not None:
+            self.read_extras(step.extras_out)  # (a step of the model's own: its memory word, before any update)
         return out
 
     def _reduce_bucketed(self, step: StepSums, plan: Bucketed, grads: list, variables: list, extras,

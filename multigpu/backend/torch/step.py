@@ -48,7 +48,7 @@ from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
-from multigpu.balancing.caps import DeviceMemory, is_out_of_memory
+from multigpu.balancing.caps import DeviceMemory, OutOfMemoryStepError, is_out_of_memory
 from multigpu.balancing.timing import StepRecord
 
 __all__ = ["TorchSteps"]
@@ -267,13 +267,31 @@ class TorchSteps(Evaluation, StepsCore):
                     self.shards.see(optimizer)
 
     def _custom_train(self, data, plan):
-        if plan.local > 0:
-            with self.metrics.local_results():
-                logs_local = self.user_train_step(self.model, data)
-            self._replay = list(self.sync.log)
-        else:
-            logs_local = None
-            self.sync.replay(self._replay)
+        # The step's first sum carries the memory word: a rank that ran out before it joins with zeros and the
+        # rows it could not hold, and every rank raises there, before any update (the driver takes it again).
+        self.sync.attach(torch.from_numpy(self.memory.word()))
+        self.sync.read_extras = self.memory.read_word
+        try:
+            if plan.local > 0:
+                try:
+                    membership.fault_out_of_memory(self.comm.rank)
+                    with self.metrics.local_results():
+                        logs_local = self.user_train_step(self.model, data)
+                except Exception as exc:
+                    if (isinstance(exc, OutOfMemoryStepError) or not self.memory.bounded
+                            or self.sync.step.extras is None or not is_out_of_memory(exc)):
+                        raise  # (after its first sum, a step that ran out ends the run: some updates applied)
+                    self._release()
+                    self.sync.attach(torch.from_numpy(self.memory.word(plan.local)))
+                    optimizer = self.model.optimizer
+                    self.sync.replay(self._replay[:1] or [(type(optimizer).apply.__get__(optimizer),
+                                                           list(self.model.trainable_weights))])
+                self._replay = list(self.sync.log)
+            else:
+                logs_local = None
+                self.sync.replay(self._replay)
+        finally:
+            self.sync.read_extras = None
         return self._sum_logs(logs_local, plan.local, self._message(), "train")
 
     def _sum_logs(self, logs_local, rows: int, timing: list[float], phase: str):
