@@ -264,3 +264,26 @@ def test_a_global_batch_no_device_set_can_hold_ends_the_run_naming_the_caps(runn
     assert "cannot hold a global batch of 2048 rows together (CPU:0 at most" in result.stdout, result.stdout[-3000:]
     assert "the largest global batch that fits is" in result.stdout
     assert runner.leftovers() == []
+
+
+def test_a_cap_counts_what_a_larger_batch_keeps_and_what_is_not_measured_yet():
+    """A device keeps more after a step at a larger local batch than any before (kernels' caches, compiled
+    executables): until two sizes are measured that is taken as much as a row's step; then it is the slope of
+    the memory left against the largest batch run, which a smaller batch after it does not change."""
+    from multigpu.balancing.memory import MARGIN, RowMemory
+
+    kib, mib = 1024, 1 << 20
+    rows = RowMemory()
+    rows.add(200, 200 * 100 * kib, left=40 * mib)
+    assert rows.kept_per_row() is None
+    assert rows.cap(40 * mib, 200) == int((40 * mib * (1 - MARGIN) + 100 * kib * 200) / (200 * kib))
+    rows.add(300, 300 * 100 * kib, left=37 * mib)  # 3 MiB less left after 100 more rows: 30.72 KB a row kept
+    assert abs(rows.kept_per_row() - 3 * mib / 100) < 1e-6
+    rows.add(100, 100 * 100 * kib, left=37 * mib)  # a smaller batch after: the largest run is still 300
+    assert abs(rows.kept_per_row() - 3 * mib / 100) < 1e-6
+    kept = 3 * mib / 100
+    assert rows.cap(37 * mib, 100) == int((37 * mib * (1 - MARGIN) + kept * 300) / (100 * kib + kept))
+    flat = RowMemory()  # nothing kept: the cap is the memory left over a row's step
+    flat.add(200, 200 * 100 * kib, left=40 * mib)
+    flat.add(300, 300 * 100 * kib, left=40 * mib)
+    assert flat.kept_per_row() == 0.0 and flat.cap(40 * mib, 300) == int(40 * mib * (1 - MARGIN) / (100 * kib))

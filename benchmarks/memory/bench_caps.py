@@ -5,7 +5,7 @@ two thirds, but SIZE holds about 45% of the global batch. Each round runs automa
 and each fixed ratio of a sweep, interleaved; fixed ratios that do not fit end with their error and are left out.
 Medians over the rounds (fresh processes here spread about +-15%).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory/bench_caps.py [--rounds 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory/bench_caps.py [--rounds 3] [--backend tensorflow|jax]
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(devices: str, ratios: str, batch: int, epochs: int, folder: str) -> dict | None:
+def run(devices: str, ratios: str, batch: int, epochs: int, folder: str, backend: str = "torch") -> dict | None:
     out = os.path.join(folder, "out.json")
     if os.path.exists(out):
         os.remove(out)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "torch",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": backend,
            "MULTIGPU_PROFILE": os.path.join(folder, "profiles.json")}
     if os.path.exists(env["MULTIGPU_PROFILE"]):
         os.remove(env["MULTIGPU_PROFILE"])  # a fresh profile every run
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="the first fit's batch; the second's is twice it")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--shares", default="30,35,40,45,50", help="CPU:0's fixed shares to sweep, in %%")
+    parser.add_argument("--backend", default="torch", choices=["torch", "tensorflow", "jax"])
     args = parser.parse_args()
     devices = f"cpu:0/{args.memory},cpu:1@0.5"
     fixed = [int(s) for s in args.shares.split(",")]
@@ -56,7 +57,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-caps-") as folder:
         for k in range(args.rounds):
             for config in configs:
-                got = run(devices, config, args.batch, args.epochs, folder)
+                got = run(devices, config, args.batch, args.epochs, folder, args.backend)
                 if "failed" in got:
                     print(f"round {k + 1} {config:>6}: does not fit: {got['failed'][:160]}", flush=True)
                     rates[config].append(float("nan"))
@@ -71,7 +72,8 @@ def main() -> None:
                       flush=True)
     medians = {c: statistics.median(v) for c, v in rates.items() if v and not any(math.isnan(r) for r in v)}
     best = max((c for c in medians if c != "auto"), key=medians.get, default=None)
-    print(f"devices {devices}, batch {args.batch} then {2 * args.batch}, medians of {args.rounds} rounds:")
+    print(f"{args.backend}, devices {devices}, batch {args.batch} then {2 * args.batch}, medians of {args.rounds} "
+          "rounds:")
     for c, v in medians.items():
         print(f"  {c:>6}: {v:7.0f} samples/s")
     if best is not None and "auto" in medians:

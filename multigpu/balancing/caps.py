@@ -172,20 +172,23 @@ class DeviceMemory:
             return 0
         held, left = self._base
         self._base = None
-        self.rows.add(rows, self.probe.peak() - held)
+        self.rows.add(rows, self.probe.peak() - held, left)
         self.available = left
-        cap = self.rows.cap(left)
+        cap = self.rows.cap(left, rows)
         return 0 if cap is None else max(cap, 1)
 
     def describe(self) -> str:
-        """``"12 MiB + 96 KiB a row of 180 MiB left"`` (what the last measurement found), or ``""``."""
+        """``"8 KiB kept a row, 12 MiB + 96 KiB a row of 180 MiB left"`` (what the measurements found), or ``""``."""
         found = self.rows.model()
         if found is None or self.available is None:
             return ""
         fixed, per_row = found
         row = f"{format_size(int(per_row) // 1024 * 1024)} a row"
         left = format_size(int(self.available) // (1 << 20) * (1 << 20))
-        return f"{format_size(int(fixed) // 1024 * 1024)} + {row} of {left} left" if fixed else f"{row} of {left} left"
+        kept = int(self.rows.kept_per_row() or 0) // 1024 * 1024
+        kept_text = f"{format_size(kept)} kept a row, " if kept else ""
+        return (f"{kept_text}{format_size(int(fixed) // 1024 * 1024)} + {row} of {left} left" if fixed else
+                f"{kept_text}{row} of {left} left")
 
     # ------------------------------------------------------------ ran out
     def release(self) -> None:
