@@ -56,7 +56,7 @@ class OwnStep(keras.Model):
                 trainable, non_trainable, metrics_variables, x=x, y=y, y_pred=y_pred)
             return loss, non_trainable
 
-        (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable, non_trainable)
+        (_, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable, non_trainable)
         trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
         return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
 

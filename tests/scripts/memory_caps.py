@@ -27,7 +27,7 @@ batch = int(flags.get("--batch", 256))
 gpu_mib = float(flags["--gpu-mib"]) if "--gpu-mib" in flags else None
 convnet = flags.get("--model", "mlp") == "convnet"
 rng = np.random.default_rng(0)
-rows = max(8192, 4 * batch)
+rows = 4 * batch if convnet else max(8192, 4 * batch)
 x = rng.standard_normal((rows, 28, 28, 1) if convnet else (rows, 64)).astype(np.float32)
 y = rng.integers(0, 10, rows)
 
