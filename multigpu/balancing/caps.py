@@ -223,10 +223,21 @@ class DeviceMemory:
 
     def word(self, short: int = 0) -> np.ndarray:
         """The word a step of the model's own adds to its first gradient sum (one float per rank; ``short``, the
-        rows this rank could not hold, at its own), so that a rank that ran out stops every rank's update."""
+        rows this rank could not hold, at its own): a rank whose step ran out of memory before that sum joins it
+        with zeros and its word, and every rank raises before its update (:meth:`read_word`), so that the driver
+        takes the step again."""
         word = np.zeros(self.comm.world_size, np.float32)
         word[self.comm.rank] = short
         return word
+
+    def ran_out(self, rows: int, first: int | None, variables, reduce, dtype=np.float32) -> None:
+        """This rank's step of the model's own ran out of memory before its first gradient sum: what it held is
+        given back and it joins that sum (``first`` values long; unknown before a first step: the ``variables``'
+        size) with zeros and its word, through ``reduce``; raises :class:`OutOfMemoryStepError` on every rank."""
+        self.release()
+        n = first if first is not None else sum(int(np.prod(v.shape)) for v in variables)
+        summed = reduce(np.concatenate([np.zeros(n, dtype), self.word(rows).astype(dtype)]))
+        self.read_word(np.asarray(summed)[n:])
 
     def read_word(self, summed) -> None:
         """Reads the summed word of a step of the model's own: raises :class:`OutOfMemoryStepError` on every rank

@@ -13,11 +13,9 @@ on one row of zeros) with gradient weight 0, so that it makes the same
 optimizer calls and logs the same names as the others; it sends zeros and
 keeps its non-trainable and metric states as they were.
 
-A step's first sum also carries the memory word (:meth:`DeviceMemory.word
-<multigpu.balancing.caps.DeviceMemory.word>`): a rank whose step ran out of
-memory before it joins that sum with zeros and the rows it could not hold,
-and every rank raises before its update, to take the step again
-(:mod:`multigpu.backend.driver`).
+A step's first sum also carries the memory word
+(:meth:`~multigpu.balancing.caps.DeviceMemory.word`), so that a step that ran
+out of memory before it is taken again.
 """
 
 from __future__ import annotations
@@ -134,15 +132,10 @@ class EagerSteps:
         return summed
 
     def _ran_out(self, rows: int) -> None:
-        """This rank's step ran out of memory before its first sum: it joins the sum with zeros and the rows it
-        could not hold (every rank raises :class:`~multigpu.balancing.caps.OutOfMemoryStepError`)."""
-        self.steps.memory.release()
-        n = self._first if self._first is not None else sum(int(np.prod(v.shape))
-                                                            for v in self.model.trainable_variables)
-        self.steps.memory.read_word(self.comm.reduce(
-            jnp.concatenate([jnp.zeros(n, jnp.float32 if self.half is None else self.half),
-                             jnp.asarray(self.steps.memory.word(rows), self.half or jnp.float32)]),
-            "summing gradients")[n:])
+        """This rank's step ran out of memory before its first sum (:meth:`DeviceMemory.ran_out
+        <multigpu.balancing.caps.DeviceMemory.ran_out>`)."""
+        self.steps.memory.ran_out(rows, self._first, self.model.trainable_variables,
+                                  lambda v: self.comm.reduce(v, "summing gradients"), self.half or np.float32)
 
     def _summed_apply(self, optimizer, original):
         def stateless_apply(optimizer_variables, grads, trainable_variables):

@@ -18,11 +18,9 @@ on one row of zeros) with gradient weight 0, so that it makes the same
 optimizer calls and logs the same names as the others; it sends zeros and
 puts its non-trainable and metric states back as they were.
 
-A step's first sum also carries the memory word (:meth:`DeviceMemory.word
-<multigpu.balancing.caps.DeviceMemory.word>`): a rank whose step ran out of
-memory before it joins that sum with zeros and the rows it could not hold,
-and every rank raises before its update, to take the step again
-(:mod:`multigpu.backend.driver`).
+A step's first sum also carries the memory word
+(:meth:`~multigpu.balancing.caps.DeviceMemory.word`), so that a step that ran
+out of memory before it is taken again.
 """
 
 from __future__ import annotations
@@ -151,15 +149,12 @@ class CustomSteps:
         return summed
 
     def _ran_out(self, rows: int) -> None:
-        """This rank's step ran out of memory before its first sum: it joins the sum with zeros and the rows it
-        could not hold (every rank raises :class:`~multigpu.balancing.caps.OutOfMemoryStepError`)."""
-        self.steps.memory.release()
-        dtype = np.float32 if self.steps.half is None else self.steps.half.as_numpy_dtype
-        n = self._first if self._first is not None else sum(int(np.prod(v.shape))
-                                                            for v in self.model.trainable_variables)
-        summed = self.comm.reduce(np.concatenate([np.zeros(n, dtype), self.steps.memory.word(rows).astype(dtype)]),
-                                  "summing gradients")
-        self.steps.memory.read_word(summed[n:])
+        """This rank's step ran out of memory before its first sum (:meth:`DeviceMemory.ran_out
+        <multigpu.balancing.caps.DeviceMemory.ran_out>`)."""
+        half = self.steps.half
+        self.steps.memory.ran_out(rows, self._first, self.model.trainable_variables,
+                                  lambda v: self.comm.reduce(v, "summing gradients"),
+                                  np.float32 if half is None else half.as_numpy_dtype)
 
     def _install(self) -> None:
         """Every optimizer's ``apply`` (once each, through the model's ledger) applies the weighted gradients
