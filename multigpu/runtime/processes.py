@@ -100,8 +100,8 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float | N
         "KERAS_BACKEND": env.get("KERAS_BACKEND") or "torch",
         "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
     }
-    if "TF_CPP_MIN_LOG_LEVEL" not in os.environ:  # TensorFlow's start-up lines (oneDNN, CPU features), once per
-        variables["TF_CPP_MIN_LOG_LEVEL"] = "1"     # rank of every backend (Keras imports it where installed)
+    # TensorFlow's start-up lines (CPU features), once per rank of every backend (Keras imports it where installed).
+    variables["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL") or "1"
     if timeout is not None:
         variables[env.TIMEOUT] = f"{timeout:g}"
     if ratios is not None:
