@@ -26,6 +26,14 @@ rows runs the forward and backward pass on its empty batch all the same, so
 that it takes part in every exchange.  With ``compression`` the weighted gradients go in 16 bits, in a collective of
 their own beside the float32 rest (as on torch).
 
+Each training step runs through the one step driver
+(:mod:`multigpu.backend.driver`): the step's message
+(:mod:`multigpu.backend.message`) ends the vector, and where a device's
+memory is bounded the state the step starts from is kept, so that a step in
+which a rank ran out of memory is taken again with the batch cut again
+(:mod:`multigpu.balancing.caps`).  Test and predict functions:
+:mod:`.evaluation`.
+
 A ``train_step`` or ``test_step`` of the model's own (JAX's stateless style)
 runs eagerly (:mod:`.custom`).  When the ranks run on different kinds of
 processor, rank 0's weights and optimizer state are sent to all at every
