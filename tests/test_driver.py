@@ -8,6 +8,7 @@ import pytest
 from multigpu.backend.driver import StepDriver
 from multigpu.backend.message import StepMessage
 from multigpu.balancing.caps import OutOfMemoryStepError, is_out_of_memory
+from multigpu.balancing.timing import StepTiming
 from multigpu.membership import PeerLostError
 
 
@@ -55,6 +56,8 @@ class _Steps:
         self.recovery = SimpleNamespace(keep=lambda also=False: self.calls.append(("keep", also)) or "kept",
                                         welcome_due=False, after_loss=self._after_loss)
         self.memory = SimpleNamespace(bounded=True, cut_again=self._cut_again)
+        self.timing = SimpleNamespace(size=4)
+        self.comm = SimpleNamespace(world_size=2, rank=0)
 
     def lost_peer(self, exc):
         return exc if isinstance(exc, PeerLostError) else None
@@ -82,7 +85,7 @@ class _Steps:
 
 def test_a_step_is_taken_again_after_running_out_of_memory_and_after_a_lost_peer_and_other_errors_pass():
     steps = _Steps([OutOfMemoryStepError([6, 0]), PeerLostError.__new__(PeerLostError)])
-    logs = StepDriver(steps, batch=lambda data: f"tensors of {data}").train("batch", 8, steps.attempt)
+    logs = StepDriver(steps, batch=lambda data: f"tensors of {data}").train("batch", steps.attempt, rows=8)
     assert logs == {"loss": 1.0}
     assert steps.calls == [
         ("keep", True), ("attempt", "batch", [6, 2]),
@@ -93,5 +96,48 @@ def test_a_step_is_taken_again_after_running_out_of_memory_and_after_a_lost_peer
     ]
     failing = _Steps([ValueError("a bug in the model")])
     with pytest.raises(ValueError, match="a bug in the model"):
-        StepDriver(failing).train("batch", 8, failing.attempt)
+        StepDriver(failing).train("batch", failing.attempt, rows=8)
     assert [c[0] for c in failing.calls] == ["keep", "attempt"]
+
+
+class _Rank:
+    """One rank's steps as the driver's message and memory path sees them (real timing, a recording memory)."""
+
+    def __init__(self, rank: int):
+        self.timing = StepTiming(rank, 2)
+        self.comm = SimpleNamespace(world_size=2, rank=rank, members=[0, 1])
+        self.said = []
+        self.memory = SimpleNamespace(begin=lambda rows: self.said.append(("begin", rows)),
+                                      end=lambda rows: 96 if rows == 64 else 0,
+                                      release=lambda: self.said.append(("release",)),
+                                      read=lambda short, cap: self.said.append(("read", short, cap)),
+                                      fitted=lambda sizes: self.said.append(("fitted", list(sizes))))
+        self.recovery = SimpleNamespace(waiting=lambda: False, elastic=True,
+                                        read=lambda summed, offset, waiting: self.said.append(("noted", offset)))
+        self.balancer = SimpleNamespace(record=lambda rec: self.said.append(("record", rec.samples)))
+
+
+def test_a_pass_that_runs_out_of_memory_leaves_its_word_in_the_message_every_rank_reads():
+    ranks = [_Rank(0), _Rank(1)]
+    drivers = [StepDriver(r) for r in ranks]
+    for r, rows in zip(ranks, (64, 32)):
+        r.timing.begin()
+        r.timing.end(rows)  # a finished step's timings, in this rank's slots
+    fits = drivers[0].local(64, lambda: "gradients", lambda: ranks[0].said.append(("released",)))
+
+    def runs_out():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    short = drivers[1].local(32, runs_out, lambda: ranks[1].said.append(("released",)))
+    assert fits == ("gradients", 0, 96) and short == (None, 32, 0)
+    assert ranks[1].said == [("begin", 32), ("released",)]
+    summed = np.add(drivers[0].say(*fits[1:]), drivers[1].say(*short[1:]))
+    for driver, r in zip(drivers, ranks):
+        said = driver.heard(summed)
+        assert (said.short, said.cap) == ([0, 32], [96, 0]) and r.said[-1] == ("read", [0, 32], [96, 0])
+        driver.finish(summed, list(summed), 0)
+        assert r.said[-2:] == [("noted", 0), ("record", (64, 32))]
+    with pytest.raises(ValueError, match="not a memory error"):
+        drivers[0].local(8, lambda: (_ for _ in ()).throw(ValueError("not a memory error")), lambda: None)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        drivers[0].local(8, runs_out, lambda: None, may_retry=False)

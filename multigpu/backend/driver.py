@@ -19,18 +19,34 @@ TensorFlow:
    changes are put back and the batch is cut again by the lowered caps
    (:meth:`DeviceMemory.cut_again <multigpu.balancing.caps.DeviceMemory.cut_again>`).
 
+4. **the step's message** (:mod:`multigpu.backend.message`): what this rank
+   says in its sum (:meth:`StepDriver.say`), the rows of this rank's batch
+   run under the memory policy (:meth:`StepDriver.local`: an out-of-memory
+   error there leaves the rank with nothing to send but its word), the
+   summed message read (:meth:`StepDriver.heard`: new caps, and every rank
+   raises when one ran out), and the step finished
+   (:meth:`StepDriver.finish`: recovery notes the sum, the balancer the
+   timings; :meth:`StepDriver.done`: the memory policy notes the sizes that
+   fitted, the step's time is taken).
+
 A backend's steps declare, for the driver: ``recovery`` and ``memory`` (their
-owners), ``lost_peer(exc)`` (the lost peer an exception stands for, once
-unwrapped from the framework's error), ``restore_forward(kept)`` and
-``restore_metrics()``.  No backend catches a lost peer or an out-of-memory
-step itself.
+owners), ``timing``, ``comm`` and ``balancer``, ``lost_peer(exc)`` (the lost
+peer an exception stands for, once unwrapped from the framework's error),
+``restore_forward(kept)``, ``restore_metrics()`` and ``_calibrate_on(data,
+plan)``.  No backend catches a lost peer or an out-of-memory step itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from multigpu.balancing.caps import OutOfMemoryStepError
+import keras
+
+from multigpu import membership
+from multigpu._keras.model_parts import batch_rows
+from multigpu.backend.message import Read, StepMessage
+from multigpu.balancing.caps import OutOfMemoryStepError, is_out_of_memory
+from multigpu.balancing.timing import StepRecord
 
 __all__ = ["StepDriver"]
 
@@ -50,12 +66,16 @@ class StepDriver:
     def __init__(self, steps, batch: Callable = _same) -> None:
         self.steps = steps
         self.batch = batch
+        self.message = StepMessage(steps.timing.size, steps.comm.world_size)
 
-    def train(self, data, rows: int, attempt: Callable, calibrate: Callable | None = None):
-        """One training step on ``data`` (``rows`` rows here): ``attempt(data, plan)`` returns its logs, taken
-        again as often as a lost peer or an out-of-memory step asks; ``calibrate(data, plan)`` first, once."""
+    def train(self, data, attempt: Callable, *, rows: int | None = None):
+        """One training step on ``data`` (``rows`` rows here; by default its inputs' first dimension):
+        ``attempt(data, plan)`` returns its logs, taken again as often as a lost peer or an out-of-memory step
+        asks; the steps' ``_calibrate_on(data, plan)`` first, once."""
         steps = self.steps
         recovery, balancer = steps.recovery, steps.balancer
+        if rows is None:
+            rows = batch_rows(keras.utils.unpack_x_y_sample_weight(data)[0])
         plan = balancer.planner.take(rows)
         if balancer.lost and any(plan.sizes[r] for r in balancer.lost):
             data, plan = recovery.cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
@@ -63,8 +83,8 @@ class StepDriver:
         if recovery.welcome_due:
             plan, data = recovery.welcome()
             data = self.batch(data)
-        if not balancer.calibrated and calibrate is not None:
-            calibrate(data, plan)
+        if not balancer.calibrated:
+            steps._calibrate_on(data, plan)
         while True:
             kept = recovery.keep(also=steps.memory.bounded)
             try:
@@ -96,3 +116,59 @@ class StepDriver:
                     raise
                 data, _, _ = recovery.after_loss(lost, kept, for_step=False)
                 data = self.batch(data)
+
+    # ---------------------------------------------------------- the step's message
+    def say(self, short: int = 0, cap: int = 0) -> list[float]:
+        """This rank's message: its timings, the recovery word, and its memory slots (``short``: the rows it
+        could not hold; ``cap``: the largest local batch it measured)."""
+        steps = self.steps
+        return self.message.pack(steps.comm.rank, steps.timing.vector(), steps.recovery.waiting(), short, cap)
+
+    def local(self, rows: int, run: Callable, release: Callable, *, may_retry: bool = True) -> tuple:
+        """``run()`` on this rank's ``rows`` rows under the memory policy: ``(its result, 0, the cap it
+        measured)``, or, when it ran out of memory, ``(None, rows, 0)`` after ``release()`` gave back what the
+        pass held (the rank then sends what a rank with no rows sends, and says so).  ``may_retry=False``: an
+        out-of-memory error passes (a step the others cannot wait out)."""
+        memory = self.steps.memory
+        try:
+            memory.begin(rows)
+            membership.fault_out_of_memory(self.steps.comm.rank)
+            out = run()
+            return out, 0, memory.end(rows)
+        except Exception as exc:
+            if not may_retry or not is_out_of_memory(exc):
+                raise
+        release()
+        return None, rows, 0
+
+    def heard(self, tail) -> Read:
+        """The summed message (a step's last :attr:`StepMessage.size` values), read; the memory policy takes
+        the caps it says, and raises :class:`~multigpu.balancing.caps.OutOfMemoryStepError` on every rank
+        when a rank ran out (before any rank applies the step)."""
+        said = self.message.read(tail)
+        self.steps.memory.read(said.short, said.cap)
+        return said
+
+    def finish(self, tail, summed=None, offset: int = 0, adopt: dict | None = None) -> None:
+        """A training step's summed message read after its update: recovery notes the sum (``summed``, the
+        message at ``offset``) and its last word, the balancer the step's timings (``adopt``: another rank's
+        shares, for a step this rank finishes with that rank's sum, :mod:`multigpu.backend.recovery`)."""
+        steps = self.steps
+        said = self.message.read(tail)
+        if summed is not None:
+            steps.recovery.read(summed, offset, waiting=said.waiting)
+        members = steps.comm.members if steps.recovery.elastic else None  # (an elastic group's ranks left)
+        rec = StepRecord.from_vector(said.timing, steps.comm.world_size, complete=True, members=members)
+        if adopt is None:
+            steps.balancer.record(rec)
+        else:
+            steps.balancer.caught_up(rec, **adopt)
+
+    def done(self, plan, measured: bool = True) -> None:
+        """A training step is over: the memory policy notes the local sizes that fitted, and the step's time
+        is taken (kept for the shares unless not ``measured``: a step that traced, compiled or recorded)."""
+        steps = self.steps
+        steps.memory.fitted(plan.sizes)
+        steps.timing.end(plan.local)
+        if not measured:
+            steps.timing.discard()

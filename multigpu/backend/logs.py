@@ -5,6 +5,15 @@ metrics (whose states are summed over ranks and read again) and other
 scalars (a GAN's two losses), which become rows-weighted means.  Both travel
 in one sum with the step's timings: the metric states first, then each other
 scalar times this rank's rows, the rows, and the timings (training only).
+
+A rank with no rows runs the step on its last batch (before its first rows,
+on one row of zeros) with gradient weight 0, so that it makes the same
+optimizer calls and logs the same names as the others; it sends zeros and
+puts its non-trainable and metric states back as they were.
+
+A step's first sum also carries the memory word
+(:meth:`~multigpu.balancing.caps.DeviceMemory.word`), so that a step that ran
+out of memory before it is taken again.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ for every backend whose optimizers hold their state in variables (torch, TensorF
 
 Each variable's optimizer state (Adam's moments, a momentum, gradient
 accumulators) lives on one rank, its owner (:mod:`multigpu.planning.partition`:
-parts follow each device's memory).  Every rank holds the whole summed
+parts follow each device's memory where it is known, a GPU's or a size given
+as ``cpu:0/8GiB``; elsewhere the parts are equal).  Every rank holds the whole summed
 gradient after the step's sum; the owner of a variable alone applies Keras's
 own update to it, and one collective of the new values (each rank writes the
 values it owns; a sum with zeros elsewhere, exact since ``x + 0 == x``) gives

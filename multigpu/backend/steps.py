@@ -38,6 +38,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
+import keras
 import numpy as np
 
 from multigpu import membership
@@ -99,6 +100,8 @@ class StepsCore:
         cls = type(self.model)
         self.user_train_step = own_method(cls, "train_step")
         self.user_test_step = own_method(cls, "test_step")
+        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)  # Keras's own, local
+        self.keras_reset_metrics = cls.reset_metrics.__get__(self.model)
         self._initialized = False
         self.shards = None  # the optimizers in parts (``shard_optimizer=True``), where the backend builds them
         self.memory = None  # the memory policy (balancing/caps.py's DeviceMemory), where the backend measures
@@ -269,12 +272,15 @@ class StepsCore:
         """Finishes this rank's training step with another rank's sum and shares; returns the step's logs."""
         raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
-    def _calibrate(self, solo: Callable[[], tuple[float, float]]) -> None:
-        """Sets automatic shares from each rank's ``solo()`` (samples/s alone, seconds it took); a rank whose
-        device cannot hold its rows alone says 0 (the steps find its cap)."""
+    def _calibrate_on(self, data, plan) -> None:
+        """Sets automatic shares from each rank's samples/s alone on its rows of ``data`` (the backend's
+        ``_solo_rate(data, rows)``); a rank with no rows, or a step of the model's own (its cost is its own: the
+        search finds its shares), or a device that cannot hold its rows alone says 0 (the steps find its cap)."""
         def measured() -> tuple[float, float]:
+            if plan.local == 0 or self.user_train_step is not None:
+                return 0.0, 0.0
             try:
-                return solo()
+                return self._solo_rate(data, plan.local)
             except Exception as exc:
                 if self.memory is None or not is_out_of_memory(exc):
                     raise
@@ -283,6 +289,11 @@ class StepsCore:
 
         self.balancer.calibrate(measured, lambda v: self.comm.sum_floats(v, "calibrating"),
                                 self.parallel.steps_per_epoch)
+
+    def _solo_rate(self, data, rows: int) -> tuple[float, float]:
+        """Samples/s of this rank's forward and backward passes on its ``rows`` rows alone, and the seconds the
+        measurement took (:func:`time_alone`); every state it moves put back."""
+        raise NotImplementedError
 
     def _release(self) -> None:
         """What a pass that ran out of memory held, given back."""

@@ -8,14 +8,8 @@ a step of the model's.  The step's logs become global in one collective after
 it: metrics from summed states, other scalars as rows-weighted means; the
 step timings travel in the same collective (training only).
 
-A rank with no rows runs the step on its last batch (before its first rows,
-on one row of zeros) with gradient weight 0, so that it makes the same
-optimizer calls and logs the same names as the others; it sends zeros and
-keeps its non-trainable and metric states as they were.
-
-A step's first sum also carries the memory word
-(:meth:`~multigpu.balancing.caps.DeviceMemory.word`), so that a step that ran
-out of memory before it is taken again.
+A rank with no rows, and the memory word a step's first sum carries:
+:mod:`multigpu.backend.logs`.
 """
 
 from __future__ import annotations
@@ -54,7 +48,6 @@ class EagerSteps:
         self.exchange = steps.exchange
         self.user_train_step = steps.user_train_step
         self.user_test_step = steps.user_test_step
-        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
         self._last_batch = None  # the last batch with rows, for the steps where this rank has none
         self._last_test_batch = None
         self.ledger = steps.parallel.ledger
@@ -160,7 +153,7 @@ class EagerSteps:
         """The step's logs over every rank, and every global metric result (:mod:`multigpu.backend.logs`)."""
         refs = list(self.model.metrics_variables)
         with keras.StatelessScope(state_mapping=list(zip(refs, metrics))):
-            names = set(self.keras_metrics_result())
+            names = set(self.steps.keras_metrics_result())
         extra, tail = other_scalars(logs, names, rows, self.timing.vector() if timing else ())
         n_states = sum(int(np.prod(v.shape)) for v in refs)
         summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat(metrics), jnp.asarray(tail)]),

@@ -10,8 +10,7 @@ variables; the new weights then reach every rank in one collective after it
 holding this rank's owned values and zeros elsewhere), as for a step of the
 model's own, whose ``stateless_apply`` runs eagerly.  An optimizer with an
 EMA is refused: its averages need every new weight inside the compiled
-update.  A device's memory is known where it was given (``cpu:0/8GiB``);
-elsewhere the parts are equal.
+update.
 """
 
 from __future__ import annotations

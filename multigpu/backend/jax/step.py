@@ -51,19 +51,15 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from multigpu import membership
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.driver import StepDriver
 from multigpu.backend.jax.custom import EagerSteps
 from multigpu.backend.jax.evaluation import Evaluation
 from multigpu.backend.jax.memory import GpuMemory
 from multigpu.backend.jax.packing import COMPRESSION, flat, metric_results, split
-from multigpu.backend.message import StepMessage
 from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
-from multigpu.balancing.caps import DeviceMemory, is_out_of_memory
-from multigpu.balancing.timing import StepRecord
+from multigpu.balancing.caps import DeviceMemory
 
 __all__ = ["JaxSteps"]
 
@@ -95,13 +91,10 @@ class JaxSteps(Evaluation, StepsCore):
             self.shards = ShardedOptimizers(self.comm, parallel.ledger)
         self.recovery = Recovery(self)  # JAX's sums end the run after a lost device: a step is kept for memory
         self.memory = DeviceMemory(self.comm, self.balancer, probe=GpuMemory(self.comm.device))
-        self.message = StepMessage(self.timing.size, self.comm.world_size)
         self.driver = StepDriver(self)
         self._state: tuple | None = None  # the state the step running now starts from (the driver may retry it)
         self._kept: tuple | None = None  # copies of the state a step donates, while it may be taken again
         self.eager = EagerSteps(self)  # a train_step or test_step of the model's own
-        self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
-        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
         self._fresh: dict | None = None  # global results of the last step, while no metric changed
         self._train = None
         self._test = None
@@ -209,13 +202,12 @@ class JaxSteps(Evaluation, StepsCore):
         return self._batches(self._train_batch, state, iterator)
 
     def _train_batch(self, state, data):
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self.shards is not None:  # an optimizer in parts: the state of this rank's part only
             self.see_optimizers()
             state = (state[0], state[1], self.shards.before_step(self.model.optimizer, state[2]), state[3])
         self._state = state
         try:
-            return self.driver.train(data, batch_rows(x), self._train_on, self._calibrate_on)
+            return self.driver.train(data, self._train_on)
         finally:
             self._state = self._kept = None
 
@@ -266,41 +258,35 @@ class JaxSteps(Evaluation, StepsCore):
                 summed = np.concatenate([grads.astype(np.float32), rest])
         if self.exchange is not None:
             self.exchange.end_step()  # every rank is past its exchanges: it took part in the sum
-        said = self.message.read(summed[self._n_grads + self._n_states :])
-        self.memory.read(said.short, said.cap)  # new caps; a rank that ran out: none applies the step
+        self.driver.heard(summed[self._n_grads + self._n_states :])  # a rank that ran out: none applies it
         if not self._applied:  # the first step compiles the update too: not a measurement of the shares
             self._applied = self._compiled = True
         trainable, optimizer, logs = self._apply(trainable, optimizer, summed)
         if self.shards is not None:  # the owners' new weights on every rank
             trainable = self.shards.share(self.model.optimizer, self._trainable_refs, trainable)
-        self._record(said.timing)
-        self.memory.fitted(plan.sizes)
-        self.timing.end(plan.local)
-        if self._compiled:
-            self.timing.discard()
+        self.driver.finish(summed[self._n_grads + self._n_states :])
+        self.driver.done(plan, measured=not self._compiled)  # a step that compiled: not timed
         return logs, (trainable, non_trainable, optimizer, metrics)
 
     def _message(self, short: int = 0, cap: int = 0) -> np.ndarray:
-        """This rank's step message (:mod:`multigpu.backend.message`), as float32."""
-        return np.asarray(self.message.pack(self.comm.rank, self.timing.vector(), False, short, cap), np.float32)
+        """This rank's step message (:meth:`StepDriver.say <multigpu.backend.driver.StepDriver.say>`), float32."""
+        return np.asarray(self.driver.say(short, cap), np.float32)
 
     def _local_vector(self, trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, rows: int):
         """This rank's part of the sum on its ``rows`` rows: ``(vector, non-trainable, metric states)``; a rank
         that ran out of memory sends what a rank with no rows sends, and says so in its message."""
-        try:
-            self.memory.begin(rows)
-            membership.fault_out_of_memory(self.comm.rank)
-            vector, non_trainable, metrics = self._timed_first(
-                "train", rows, lambda: self._local(trainable, non_trainable, metrics, optimizer, x, y,
-                                                   sample_weight, weight, self._message()))
-            jax.block_until_ready(vector)
-        except Exception as exc:
-            if not is_out_of_memory(exc) or self._kept is None or self.exchange is not None:
-                raise  # (global BatchNorm statistics: the other ranks wait in an exchange this rank left)
-            self.memory.release()
+        def run():
+            out = self._timed_first("train", rows, lambda: self._local(trainable, non_trainable, metrics, optimizer,
+                                                                     x, y, sample_weight, weight, self._message()))
+            return jax.block_until_ready(out)
+
+        # (global BatchNorm statistics: the other ranks would wait in an exchange this rank left)
+        out, short, cap = self.driver.local(rows, run, self.memory.release,
+                                            may_retry=self._kept is not None and self.exchange is None)
+        if short:
             non_trainable, metrics = self._kept  # the failed call may have taken the donated ones
             return self._idle(metrics, self._message(short=rows)), non_trainable, metrics
-        cap = self.memory.end(rows)
+        vector, non_trainable, metrics = out
         if cap:  # a measured step (a few per local batch size): the cap into its slot of the message
             at = self._n_states + self.message.sections["cap"][0] + self.comm.rank
             if self.half is None:
@@ -309,27 +295,14 @@ class JaxSteps(Evaluation, StepsCore):
                 vector = (vector[0], vector[1].at[at].set(cap))
         return vector, non_trainable, metrics
 
-    def _record(self, timing) -> None:
-        self.balancer.record(StepRecord.from_vector([float(v) for v in timing], self.comm.world_size, complete=True))
-
-    def _calibrate_on(self, data, plan) -> None:
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        trainable, non_trainable, optimizer, metrics = self._state
-
-        def solo() -> tuple[float, float]:
-            if plan.local == 0 or self.user_train_step is not None:
-                return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
-            return self._solo_rate(trainable, non_trainable, metrics, optimizer, x, y, sample_weight, plan.local)
-
-        self._calibrate(solo)
-
-    def _solo_rate(self, trainable, non_trainable, metrics, optimizer, x, y, sample_weight, rows: int, *,
-                   min_steps: int = 2, min_seconds: float = 1.0, max_steps: int = 30) -> tuple[float, float]:
+    def _solo_rate(self, data, rows: int) -> tuple[float, float]:
         """Samples/s of this rank's share of the step alone (compiling first, untimed).
 
         It times the step's own compiled local function on copies of the
         state, so that the compilation serves the first step too.
         """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        trainable, non_trainable, optimizer, metrics = self._state
         weight, tail = np.float32(1.0), self._message()
 
         def call():
@@ -337,6 +310,5 @@ class JaxSteps(Evaluation, StepsCore):
             return self._local(trainable, *copies, optimizer, x, y, sample_weight, weight, tail)
 
         with self.exchange.alone() if self.exchange is not None else nullcontext():  # each rank times itself
-            return time_alone(lambda: jax.block_until_ready(call()), rows, min_steps=min_steps,
-                              min_seconds=min_seconds, max_steps=max_steps,
+            return time_alone(lambda: jax.block_until_ready(call()), rows,
                               first=lambda: self._timed_first("train", rows, call))

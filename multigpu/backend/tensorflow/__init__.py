@@ -3,7 +3,8 @@
 * ``group``: binding TensorFlow to this process's device, joining the run and leaving it;
 * ``collectives``: ``Comm``, every collective multigpu does (the engine's, :mod:`multigpu.engine`, on NumPy arrays);
 * ``feeding``: this rank's share of each global batch as the iterable Keras's loop reads;
-* ``step``: the training function Keras's loop calls, with ``evaluation`` (test and predict) and ``states``
+* ``step``: the training function Keras's loop calls, with ``functions`` (Keras's ``train_step`` split at the
+  sum), ``evaluation`` (test and predict) and ``states``
   (what a step keeps to be taken again after a lost device; the global metric results);
 * ``custom``: a ``train_step`` of the model's own (``tf.GradientTape`` and ``optimizer.apply``);
 * ``facts``: ``FACTS``, what the layers above need to know of this backend.

@@ -13,19 +13,12 @@ outside a step of the model's (a graph traced there, or an eager call).  The
 step's logs become global in one more sum: metrics from summed states, other
 scalars as rows-weighted means; the step timings travel in it (training only).
 
-A rank with no rows runs the step on its last batch (before its first rows,
-on one row of zeros) with gradient weight 0, so that it makes the same
-optimizer calls and logs the same names as the others; it sends zeros and
-puts its non-trainable and metric states back as they were.
-
-A step's first sum also carries the memory word
-(:meth:`~multigpu.balancing.caps.DeviceMemory.word`), so that a step that ran
-out of memory before it is taken again.
+A rank with no rows, and the memory word a step's first sum carries:
+:mod:`multigpu.backend.logs`.
 """
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -52,7 +45,6 @@ class CustomSteps:
         self.comm = steps.comm
         self.timing = steps.timing
         self.balancer = steps.balancer
-        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(self.model)
         self._weight = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="multigpu_gradient_weight")
         self._train = None
         self._test = None
@@ -192,7 +184,7 @@ class CustomSteps:
         """The step's logs over every rank, and every global metric result (:mod:`multigpu.backend.logs`)."""
         refs = list(self.model.metrics_variables)
         logs = dict(logs)
-        extra, tail = other_scalars(logs, set(self.keras_metrics_result()), rows,
+        extra, tail = other_scalars(logs, set(self.steps.keras_metrics_result()), rows,
                                     self.timing.vector() if timing else ())
         n_states = sum(int(np.prod(v.shape)) for v in refs)
         states = self.steps._states()

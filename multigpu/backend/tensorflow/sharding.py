@@ -13,8 +13,7 @@ only the others' values come back, one tensor per variable.  With
 ``jit_compile`` the update runs without XLA, which cannot call into Python.
 With gradient accumulation the weights are shared at every step (unchanged
 where no update ran), since a traced step cannot ask Python which step
-updates.  A device's memory is known where it was given (``cpu:0/8GiB``);
-elsewhere the parts are equal.
+updates.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class States:
         states, message = values[:n_timing], values[n_timing:]
         self._summed_states = states
         logs = metric_results(self.model, tf.constant(states), list(self.model.metrics_variables), 0)
-        self._record(self.message.read(message).timing, adopt)
+        self.driver.finish(message, adopt=adopt)
         return logs
 
     def _load_states(self, values: np.ndarray) -> None:

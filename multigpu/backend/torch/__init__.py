@@ -3,7 +3,8 @@
 * ``group``: device binding; the process group and ``Comm`` are the engine's (:mod:`multigpu.engine`);
 * ``reducer``: the share-weighted gradient sum inside ``optimizer.apply``;
 * ``metrics``: global logs from summed metric states;
-* ``step``: the training, test and predict steps;
+* ``step``: the built-in training step (``custom``: a ``train_step`` of the model's own; ``evaluation``: the test
+  and predict steps and the global logs);
 * ``batchnorm``: BatchNorm statistics across devices;
 * ``facts``: ``FACTS``, what the layers above need to know of this backend.
 

@@ -1,4 +1,4 @@
-"""The test and predict steps of a parallel model on torch, and its global metrics (a part of
+"""The test and predict steps of a parallel model on torch, its global metrics and logs (a part of
 :class:`.step.TorchSteps`).
 
 A test step sums this rank's metric states and logs over ranks (with
@@ -15,7 +15,7 @@ import keras
 import torch
 
 from multigpu import membership
-from multigpu._keras.model_parts import batch_rows
+from multigpu._keras.model_parts import batch_rows, own_method
 from multigpu.backend.torch.batchnorm import average_statistics
 
 __all__ = ["Evaluation"]
@@ -37,14 +37,14 @@ class Evaluation:
         self.metrics.invalidate()
         logs_local = None
         if rows > 0:
-            step = self.keras_test_step if self.user_test_step is None else self.user_test_step.__get__(self.model)
+            step = (keras.Model.test_step if self.user_test_step is None else self.user_test_step).__get__(self.model)
             with self.metrics.local_results():
                 logs_local = step(data)
         return self._sum_logs(logs_local, rows, [], "test")
 
     def predict_step(self, data):
         self._initialize()
-        step = self.keras_predict_step if self.user_predict_step is None else self.user_predict_step.__get__(self.model)
+        step = (own_method(type(self.model), "predict_step") or keras.Model.predict_step).__get__(self.model)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if batch_rows(x) > 0:
             return step(data)
@@ -55,6 +55,27 @@ class Evaluation:
         return keras.tree.map_structure(lambda a: a[:0], out)
 
     # ---------------------------------------------------------- metrics
+    def _sum_logs(self, logs_local, rows: int, message: list[float], phase: str):
+        """The global logs of a step whose logs are summed after it (a test step, a step of the model's own),
+        in one sum with the step's ``message`` (none for a test step)."""
+        vec = self.metrics.pack(logs_local, rows, message, phase)
+        buf = self.comm.buffer(vec.numel() + 1)
+        buf[:-1].copy_(vec)
+        buf[-1] = 1.0
+        with self.timing.waiting():
+            summed = self.comm.reduce(buf, tag=1000 + vec.numel() % 1000, what="summing the step's logs",
+                                      describe=lambda: f"the step's logs ({vec.numel()} values) after the step")
+        return self._finish(summed[:-1].tolist(), phase, len(message))
+
+    def _finish(self, summed: list[float], phase: str, n_message: int | None = None, adopt: dict | None = None):
+        """The global logs of a sum; a training step's message (its last ``n_message`` values) read by the
+        driver (``adopt``: another rank's shares, for a step this rank finishes with that rank's sum)."""
+        n_message = self.driver.message.size if n_message is None else n_message
+        logs, tail = self.metrics.unpack(summed, n_message, phase)
+        if n_message:
+            self.driver.finish(tail, summed, n_message, adopt)
+        return logs
+
     def get_metrics_result(self):
         """Global results (local inside a step, where the step makes them global itself)."""
         if self.metrics.updates_only:

@@ -16,14 +16,11 @@ One global batch, followed from the data to the weights:
 5. the logs come back global, and the balancer reads every rank's timings.
 
 A model class that overrides ``train_step`` (or ``test_step``,
-``predict_step``) keeps its own step, which calls ``optimizer.apply`` itself:
-for that path alone each optimizer's ``apply`` is wrapped (once, when the
-optimizer is first seen) to take the same weighted sum first, and the logs
-become global in one collective after the step.
-
-A step that loses a rank is taken again over the ranks left, exactly, by
-:class:`~multigpu.backend.recovery.Recovery` through the hooks below.  Test
-and predict steps: :mod:`.evaluation`.
+``predict_step``) keeps its own step (:mod:`.custom`).  The step's life
+around one attempt (the plan, calibration, taking it again after a lost
+rank or an out-of-memory error, its message) is the driver's
+(:mod:`multigpu.backend.driver`); test and predict steps and the global
+logs: :mod:`.evaluation`.
 """
 
 from __future__ import annotations
@@ -35,21 +32,20 @@ import torch
 
 from multigpu import membership
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batch_rows, optimizers_of, own_method
+from multigpu._keras.model_parts import optimizers_of, own_method
 from multigpu.backend.driver import StepDriver
-from multigpu.backend.message import StepMessage
 from multigpu.backend.recovery import Recovery
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import install_global_moments
+from multigpu.backend.torch.custom import OwnTrainStep
 from multigpu.backend.torch.evaluation import Evaluation
 from multigpu.backend.torch.memory import CudaMemory
 from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
-from multigpu.balancing.caps import DeviceMemory, OutOfMemoryStepError, is_out_of_memory
-from multigpu.balancing.timing import StepRecord
+from multigpu.balancing.caps import DeviceMemory
 
 __all__ = ["TorchSteps"]
 
@@ -70,7 +66,6 @@ class TorchSteps(Evaluation, StepsCore):
         self.metrics = GlobalMetrics(model, self.comm)
         self.memory = DeviceMemory(self.comm, self.balancer,
                                    CudaMemory(self.comm.device) if self.comm.device.type == "cuda" else None)
-        self.message = StepMessage(self.timing.size, self.comm.world_size)
         self.sync_batchnorm = parallel.options.sync_batchnorm
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
         # A device of bounded memory keeps the recorded passes of two local batch sizes, not eight: each holds
@@ -79,14 +74,9 @@ class TorchSteps(Evaluation, StepsCore):
                                      replay=parallel.options.replay is not False,
                                      max_graphs=2 if self.memory.measured_here else 8)
         cls = type(model)
-        self.user_predict_step = own_method(cls, "predict_step")
-        self.keras_test_step = keras.Model.test_step.__get__(model)
-        self.keras_predict_step = keras.Model.predict_step.__get__(model)
-        self.keras_metrics_result = keras.Model.get_metrics_result.__get__(model)
         self.keras_compute_metrics = (own_method(cls, "compute_metrics") is None
                                       and own_method(cls, "get_metrics_result") is None)
-        self.keras_reset_metrics = type(model).reset_metrics.__get__(model)
-        self._replay: list[tuple] = []
+        self.own_step = OwnTrainStep(self)
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
         self.shards = ShardedOptimizers(self.comm, parallel.ledger) if parallel.options.shard_optimizer else None
@@ -119,14 +109,10 @@ class TorchSteps(Evaluation, StepsCore):
             for v in variables:
                 v.value[0] += offset
 
-    def _optimizers(self) -> list:
-        return optimizers_of(self.model)
-
     # ---------------------------------------------------------- training
     def train_step(self, data):
         self._initialize()
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self.driver.train(data, batch_rows(x), self._train_on, self._calibrate_on)
+        return self.driver.train(data, self._train_on)
 
     # ---------------------------------------------------------- recovery's and the driver's hooks
     def snapshot(self) -> list:
@@ -154,13 +140,7 @@ class TorchSteps(Evaluation, StepsCore):
     def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
         return self._finish(summed, "train", n_timing, adopt=adopt)
 
-    def _message(self, short: int = 0, cap: int = 0) -> list[float]:
-        """This rank's step message (:mod:`multigpu.backend.message`): timings, the recovery word, and the
-        memory slots (``short``: the rows it could not hold; ``cap``: the largest local batch it measured)."""
-        return self.message.pack(self.comm.rank, self.timing.vector(), self.recovery.waiting(), short, cap)
-
     def _train_on(self, data, plan):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         membership.at("forward", self.comm.rank)
         self.metrics.invalidate()
         self.timing.begin()
@@ -172,54 +152,39 @@ class TorchSteps(Evaluation, StepsCore):
                              keep=self.comm.min_devices is not None and self.user_train_step is not None)
         try:
             if self.user_train_step is not None:
-                logs = self._custom_train(data, plan)
+                logs = self.own_step.train(data, plan)
             else:
-                logs = self._builtin_train(x, y, sample_weight, plan)
+                logs = self._builtin_train(data, plan)
         finally:
             self.sync.end_step()
         self.sync.forget_kept()  # the step is done everywhere: no putting back its updates
-        self.memory.fitted(plan.sizes)
-        self.timing.end(plan.local)
-        if self._recorded:
-            self._recorded = False
-            self.timing.discard()  # the step also recorded its forward pass: not a measurement of the shares
+        self.driver.done(plan, measured=not self._recorded)  # a step that recorded its forward pass: not timed
+        self._recorded = False
         return logs
 
-    def _builtin_train(self, x, y, sample_weight, plan):
+    def _builtin_train(self, data, plan):
         model = self.model
-        local = plan.local
-        logs_local = None
         model.zero_grad()
         trainable = model.trainable_weights[:]
-        short = cap = 0
-        if local > 0 or self.sync_batchnorm:
-            try:
-                self.memory.begin(local)
-                membership.fault_out_of_memory(self.comm.rank)
-                logs_local = self._forward_backward(x, y, sample_weight, plan, trainable)
-                cap = self.memory.end(local)
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                short = local  # this rank goes on to the sum with no gradients and says it ran out
-            if short:
-                logs_local, local = None, 0
-                self._release()
-        extras = self.metrics.pack(logs_local, local, self._message(short, cap), "train")
+        logs_local, short, cap = None, 0, 0
+        if plan.local > 0 or self.sync_batchnorm:  # (global statistics: a rank with no rows joins their sums)
+            logs_local, short, cap = self.driver.local(
+                plan.local, lambda: self._forward_backward(data, plan, trainable), self._release)
+        extras = self.metrics.pack(logs_local, plan.local - short, self.driver.say(short, cap), "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         grads, summed = self.sync.sum([v.value.grad for v in trainable], trainable, extras)
-        said = self.message.read(summed[-self.message.size:])
-        self.memory.read(said.short, said.cap)  # new caps; a rank that ran out: none applies the step
+        self.driver.heard(summed[-self.driver.message.size:])  # new caps; a rank that ran out: none applies it
         if trainable:
             membership.at("update", self.comm.rank)
             with torch.no_grad():
                 type(model.optimizer).apply(model.optimizer, grads, trainable)  # Keras's own apply
         return self._finish(summed, "train")
 
-    def _forward_backward(self, x, y, sample_weight, plan, trainable):
+    def _forward_backward(self, data, plan, trainable):
         """This rank's forward and backward passes of a training step; returns its local logs."""
         model = self.model
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         logs_local = None
         if plan.local > 0:
             y_pred, loss, self._recorded = self.forward(x, y, sample_weight, prompt=self.balancer.searching)
@@ -258,7 +223,7 @@ class TorchSteps(Evaluation, StepsCore):
     def _see_optimizers(self) -> None:
         """Each optimizer, the first time it is seen: its ``apply`` sums for a step of the model's own (the
         built-in step sums itself), and its update runs block by block."""
-        for optimizer in self._optimizers():
+        for optimizer in optimizers_of(self.model):
             if id(optimizer) not in self._seen:
                 self._seen[id(optimizer)] = optimizer
                 self.sync.wrap(optimizer, self.parallel.ledger)
@@ -266,74 +231,10 @@ class TorchSteps(Evaluation, StepsCore):
                 if self.shards is not None:
                     self.shards.see(optimizer)
 
-    def _custom_train(self, data, plan):
-        # The step's first sum carries the memory word: a rank that ran out before it joins with zeros and the
-        # rows it could not hold, and every rank raises there, before any update (the driver takes it again).
-        self.sync.attach(torch.from_numpy(self.memory.word()))
-        self.sync.read_extras = self.memory.read_word
-        try:
-            if plan.local > 0:
-                try:
-                    membership.fault_out_of_memory(self.comm.rank)
-                    with self.metrics.local_results():
-                        logs_local = self.user_train_step(self.model, data)
-                except Exception as exc:
-                    if (isinstance(exc, OutOfMemoryStepError) or not self.memory.bounded
-                            or self.sync.step.extras is None or not is_out_of_memory(exc)):
-                        raise  # (after its first sum, a step that ran out ends the run: some updates applied)
-                    self._release()
-                    self.sync.attach(torch.from_numpy(self.memory.word(plan.local)))
-                    optimizer = self.model.optimizer
-                    self.sync.replay(self._replay[:1] or [(type(optimizer).apply.__get__(optimizer),
-                                                           list(self.model.trainable_weights))])
-                self._replay = list(self.sync.log)
-            else:
-                logs_local = None
-                self.sync.replay(self._replay)
-        finally:
-            self.sync.read_extras = None
-        return self._sum_logs(logs_local, plan.local, self._message(), "train")
-
-    def _sum_logs(self, logs_local, rows: int, timing: list[float], phase: str):
-        vec = self.metrics.pack(logs_local, rows, timing, phase)
-        buf = self.comm.buffer(vec.numel() + 1)
-        buf[:-1].copy_(vec)
-        buf[-1] = 1.0
-        with self.timing.waiting():
-            summed = self.comm.reduce(buf, tag=1000 + vec.numel() % 1000, what="summing the step's logs",
-                                      describe=lambda: f"the step's logs ({vec.numel()} values) after the step")
-        return self._finish(summed[:-1].tolist(), phase, len(timing))
-
-    def _finish(self, summed: list[float], phase: str, n_timing: int | None = None, adopt: dict | None = None):
-        """The global logs; a training step's timing slots (and the last word) read (``adopt``: another
-        rank's shares, for a step this rank finishes with that rank's sum, :mod:`multigpu.backend.recovery`)."""
-        n_timing = self.message.size if n_timing is None else n_timing
-        logs, tail = self.metrics.unpack(summed, n_timing, phase)
-        if n_timing:
-            said = self.message.read(tail)
-            self.recovery.read(summed, n_timing, waiting=said.waiting)
-            rec = StepRecord.from_vector(said.timing, self.comm.world_size, complete=True, members=self.comm.members)
-            if adopt is None:
-                self.balancer.record(rec)
-            else:
-                self.balancer.caught_up(rec, **adopt)
-        return logs
-
-    def _calibrate_on(self, data, plan) -> None:
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-
-        def solo() -> tuple[float, float]:
-            if plan.local == 0 or self.user_train_step is not None:
-                return 0.0, 0.0  # a custom step's cost is its own: the search finds its shares
-            return self._solo_rate(x, y, sample_weight)
-
-        self._calibrate(solo)
-
-    def _solo_rate(self, x, y, sample_weight, *, warmup: int = 1, min_steps: int = 2, min_seconds: float = 1.0,
-                   max_steps: int = 30) -> tuple[float, float]:
+    def _solo_rate(self, data, rows: int) -> tuple[float, float]:
         """Samples/s of forward and backward passes on this rank's batch, alone; every variable restored."""
         model = self.model
-        rows = batch_rows(x)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         variables = list(model.variables)
         saved = [v.value.detach().clone() for v in variables]
 
@@ -344,8 +245,7 @@ class TorchSteps(Evaluation, StepsCore):
             return not recorded  # a pass recorded for replay is not what the steps will run
 
         try:
-            return time_alone(one_pass, rows, warmup=warmup, min_steps=min_steps, min_seconds=min_seconds,
-                              max_steps=max_steps)
+            return time_alone(one_pass, rows, warmup=1)
         finally:
             with torch.no_grad():
                 for v, s in zip(variables, saved):
