@@ -288,7 +288,7 @@ class JaxSteps(Evaluation, StepsCore):
             return self._idle(metrics, self._message(short=rows)), non_trainable, metrics
         vector, non_trainable, metrics = out
         if cap:  # a measured step (a few per local batch size): the cap into its slot of the message
-            at = self._n_states + self.message.sections["cap"][0] + self.comm.rank
+            at = self._n_states + self.driver.message.sections["cap"][0] + self.comm.rank
             if self.half is None:
                 vector = vector.at[self._n_grads + at].set(cap)
             else:
