@@ -141,3 +141,23 @@ def test_a_pass_that_runs_out_of_memory_leaves_its_word_in_the_message_every_ran
         drivers[0].local(8, lambda: (_ for _ in ()).throw(ValueError("not a memory error")), lambda: None)
     with pytest.raises(RuntimeError, match="out of memory"):
         drivers[0].local(8, runs_out, lambda: None, may_retry=False)
+
+
+def test_tensorflows_gpu_probe_reads_the_allocators_statistics_against_its_limit(monkeypatch):
+    import multigpu.backend.tensorflow.memory as tf_memory
+
+    stats = {"current": 3 << 20, "peak": 3 << 20}
+    resets = []
+
+    def reset(name):
+        resets.append(name)
+        stats["peak"] = stats["current"]
+
+    probe = tf_memory.GpuMemory("GPU:0", limit=64 << 20, info=lambda name: dict(stats), reset=reset)
+    assert probe.start() == (3 << 20, 61 << 20) and resets == ["GPU:0"]
+    stats["peak"] = 40 << 20  # the step's activations
+    assert probe.peak() == 40 << 20
+    # the limit is TensorFlow's device list's: a device it does not list is not measured
+    assert tf_memory.allocator_limit("CPU:0") > 0 and tf_memory.allocator_limit("GPU:7") is None
+    monkeypatch.setattr(tf_memory, "allocator_limit", lambda name: None)
+    assert tf_memory.GpuMemory("GPU:0", info=lambda name: dict(stats), reset=reset).start() is None

@@ -45,6 +45,7 @@ from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.tensorflow.custom import CustomSteps
 from multigpu.backend.tensorflow.evaluation import Evaluation
 from multigpu.backend.tensorflow.functions import TrainFunctions
+from multigpu.backend.tensorflow.memory import GpuMemory
 from multigpu.backend.tensorflow.states import States
 from multigpu.backend.tensorflow.tensors import tensors
 from multigpu.balancing.caps import DeviceMemory
@@ -81,8 +82,10 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self._applied = False  # the update function has been traced (by the first training step)
         self._local_results = False  # inside a step run eagerly: metric results are this rank's own
         self.recovery = Recovery(self)
-        # A CPU device given a size is measured (TensorFlow's allocator keeps its pool); a GPU is not yet.
-        self.memory = DeviceMemory(self.comm, self.balancer, kept=True)
+        # A GPU by its allocator's statistics; a CPU device given a size by the process (TensorFlow's CPU
+        # allocator keeps its pool).
+        gpu = self.comm.runtime.devices[self.comm.rank].is_cuda
+        self.memory = DeviceMemory(self.comm, self.balancer, GpuMemory() if gpu else None, kept=True)
         self.driver = StepDriver(self, batch=tensors)
         self._kept_metrics: np.ndarray | None = None  # this rank's metric states before the step (recovery)
         self._kept_updates: list | None = None  # a step of the model's own: what its updates may change
