@@ -197,7 +197,7 @@ def unusable_gpus() -> str:
     listed = driver_gpu_count()
     if not listed:
         return ""
-    backend = env.get("KERAS_BACKEND") or "torch"
+    backend = env.keras_backend()
     return (f" The NVIDIA driver lists {listed} GPU(s), but Keras's {backend} backend cannot use them: its build "
             "has no CUDA (a CPU build of torch, jax or tensorflow). Install a CUDA build first, e.g. "
             "`pip install torch --index-url https://download.pytorch.org/whl/cu126`; `multigpu devices` shows "

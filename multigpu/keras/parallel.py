@@ -227,7 +227,7 @@ class ParallelModel:
             transport = "nccl"
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
-                     b.quantum, bool(getattr(self.steps, "overlapping", False)), list(self.lost),
+                     b.quantum, self.steps.overlapping, list(self.lost),
                      list(self.joined), self.options.shard_optimizer)
 
 

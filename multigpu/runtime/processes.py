@@ -97,7 +97,7 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float | N
         env.DEVICES: ",".join(d.spec for d in devices),
         env.SUPERVISOR_PID: str(os.getpid()),
         env.RUN_DIR: run_dir,
-        "KERAS_BACKEND": env.get("KERAS_BACKEND") or "torch",
+        "KERAS_BACKEND": env.keras_backend(),
         "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
     }
     # TensorFlow's start-up lines (CPU features), once per rank of every backend (Keras imports it where installed).
