@@ -22,7 +22,10 @@ machine can be off by 10-30%):
   loops): Keras's own ``fit`` under ``tf.distribute.MirroredStrategy``, one process on both cores, one logical
   CPU device per core, equal halves of every batch.
 
-On torch, ``single``, ``mg1`` and ``mg2`` carry phase timers (``multigpu.bench.breakdown``): milliseconds
+On torch and TensorFlow, ``single``, ``mg1`` and ``mg2`` carry phase timers (``multigpu.bench.breakdown``;
+on TensorFlow the step is one traced function, whose forward pass, loss, backward pass, update and metrics
+are its "rest of the step", beside the host sum of its gradients and, with the optimizer state in parts,
+the new weights' exchange under "optimizer"): milliseconds
 per step in the forward pass, the loss, ``backward``, summing gradients over ranks, the optimizer
 update, the metrics, the rest of the training step (multigpu's hooks and Keras's step code) and
 Keras's loop outside the step (data, callbacks).  Results: printed tables, and
@@ -151,7 +154,7 @@ def main() -> int:
     a = p.parse_args()
     tensorflow = os.environ.get("KERAS_BACKEND") == "tensorflow"
     configs = (a.configs or ",".join(TENSORFLOW_CONFIGS if tensorflow else DEFAULT_CONFIGS)).split(",")
-    breakdown = not a.no_breakdown and os.environ.get("KERAS_BACKEND", "torch") == "torch"  # torch's phase timers
+    breakdown = not a.no_breakdown and os.environ.get("KERAS_BACKEND", "torch") in ("torch", "tensorflow")
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
     cases = a.cases or SUITES[a.suite]

@@ -67,8 +67,14 @@ class Breakdown:
 def install(model) -> Breakdown:
     """Puts phase timers on ``model`` (plain or parallel) and on this process's torch and Keras calls.
 
-    Call it after ``parallelize`` and ``compile``, before ``fit``.
+    Call it after ``parallelize`` and ``compile``, before ``fit``.  On TensorFlow the step is one traced
+    function: its forward pass, loss, ``backward``, update and metrics run inside it and are not told apart
+    (:func:`_install_tensorflow`).
     """
+    from multigpu import env
+
+    if env.keras_backend() == "tensorflow":
+        return _install_tensorflow(model)
     import torch
 
     from multigpu._keras import compat as _compat
@@ -98,4 +104,35 @@ def install(model) -> Breakdown:
 
     # A replayed forward pass runs the loss's operations too: "forward" then holds both.
     ForwardReplay._replay = b.timed("forward", ForwardReplay._replay)
+    return b
+
+
+def _install_tensorflow(model) -> Breakdown:
+    """Phase timers for a TensorFlow model: the training function Keras's loop calls (the step), the sum of the
+    gradients over ranks (``sum gradients``: the host callback inside the step) and, with the optimizer state
+    in parts, the exchange of the new weights (``optimizer``).  What the traced function computes (forward,
+    loss, backward, update, metrics) is the rest of the step."""
+    b = Breakdown()
+    make = model.make_train_function
+
+    def make_train_function(force: bool = False):
+        function = make(force)
+        function = model.train_function if function is None else function  # (Keras's own sets it, returns None)
+        if getattr(function, "_timed", False):
+            return function
+        timed = b.timed("step", function)
+
+        def train_function(*args, **kwargs):
+            b.steps += 1
+            return timed(*args, **kwargs)
+
+        train_function._timed = True
+        object.__setattr__(model, "train_function", train_function)
+        return train_function
+
+    object.__setattr__(model, "make_train_function", make_train_function)
+    from multigpu.backend.tensorflow.collectives import Comm
+
+    Comm.reduce = b.timed("sum gradients", Comm.reduce)
+    Comm.gather_parts = b.timed("optimizer", Comm.gather_parts)
     return b
