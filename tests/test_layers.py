@@ -40,7 +40,7 @@ FRAMEWORK_USERS = {
     "data/loader.py": "reads a torch DataLoader, torch's own input type",
     "data/tfdata.py": "reads a tf.data.Dataset, TensorFlow's own input type",
     "bench/worker.py": "the `multigpu bench` harness times each framework's own passes",
-    "bench/breakdown.py": "the `multigpu bench` harness times torch's calls",
+    "bench/breakdown.py": "the `multigpu bench` harness times torch's calls and TensorFlow's traced step",
 }
 
 
