@@ -16,6 +16,7 @@ class ThreadComm:
     def __init__(self, rank: int, shared: dict) -> None:
         self.rank, self.shared = rank, shared
         self.world_size = shared["world"]
+        self.members = list(range(self.world_size))  # the ranks in the group, as the engine's Comm says
 
     def buffer(self, n, dtype=torch.float32):
         return torch.empty(n, dtype=dtype)
