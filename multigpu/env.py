@@ -76,8 +76,9 @@ that were both given differ, rank 0 says in one line which it took.
   a CPU rank's tensors on a GPU where there is one).
 * ``KERAS_BACKEND``: ``torch`` (the default multigpu sets where unset), ``jax`` or ``tensorflow``; the
   supervisor passes it on, and on JAX and TensorFlow a rank joins the run before the program runs.
-* ``TF_CPP_MIN_LOG_LEVEL``: ``1`` on every rank multigpu starts where unset (TensorFlow's start-up lines, which
-  Keras imports on every backend where it is installed, not printed once per rank).
+* ``TF_CPP_MIN_LOG_LEVEL``: ``1`` on every rank multigpu starts where unset (TensorFlow's CPU-feature line, which
+  Keras imports on every backend where it is installed, not printed once per rank; its oneDNN line, logged before
+  absl's log starts, still is).
 """
 
 from __future__ import annotations
