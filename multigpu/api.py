@@ -43,6 +43,7 @@ def parallelize(
     replay: bool | None = None,
     min_devices: int | None = None,
     shard_optimizer: bool | None = None,
+    shard: str | None = None,
 ) -> keras.Model:
     """Trains ``model`` data-parallel across ``devices``, one process each.
 
@@ -131,6 +132,14 @@ def parallelize(
             memory guide);
             off with ``min_devices``, between machines, on GPUs and on JAX,
             where the new weights' collective doubles the bytes on a link.
+        shard: how much of the training state each device holds in parts:
+            ``"optimizer"`` (``shard_optimizer=True``), or ``"gradients"``
+            (torch): the optimizer state in parts, and the built-in step's
+            gradients written into the sum's buffer while the backward pass
+            makes them instead of kept beside it (one copy of the gradients
+            less on every device; each device's update reads its own part of
+            the sum). ``"weights"`` (ZeRO stage 3) is not built yet.
+            Default (``None``): ``shard_optimizer``'s.
 
     Returns:
         The same model object, now parallel.
@@ -151,7 +160,8 @@ def parallelize(
     arguments.check_flag("rebalance", rebalance, allow_none=True)
     arguments.check_flag("recalibrate", recalibrate)
     arguments.check_flag("report", report)
-    arguments.check_sharding(shard_optimizer, min_devices, facts)
+    level = arguments.shard_level(shard, shard_optimizer, facts)
+    arguments.check_sharding(level, min_devices, facts)
     if compression is not None and compression not in facts.compression:
         allowed = ", ".join(["None", *map(repr, facts.compression)])
         raise ValueError(f"`compression` must be one of {allowed} on the {facts.name} backend. "
@@ -185,8 +195,7 @@ def parallelize(
     elif spec.kind == "default":
         auto = arguments.devices_differ(runtime.devices, facts)
     min_devices = arguments.min_devices(env.fallback("min_devices", min_devices, env.MIN_DEVICES, int, say=say), n)
-    arguments.check_sharding(shard_optimizer, min_devices if min_devices is not None and min_devices < n else None,
-                             facts)
+    arguments.check_sharding(level, min_devices if min_devices is not None and min_devices < n else None, facts)
     from multigpu.keras import parallel
 
     if n == 1:
@@ -204,13 +213,13 @@ def parallelize(
     shrinks = min_devices is not None and min_devices < n
     if shrinks:
         _allow_shrink(runtime, comm, min_devices, facts, say)
-    if shard_optimizer is None:
-        shard_optimizer = arguments.shard_by_default(comm.transport, shrinks, facts)
+    if level is None:
+        level = arguments.shard_by_default(comm.transport, shrinks, facts)
     balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_leader(comm))
     parallel.ParallelModel(model, runtime, comm, balancer,
                            parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression,
                                             overlap=overlap, bucket_mb=bucket_mb, replay=replay,
-                                            shard_optimizer=shard_optimizer),
+                                            shard_optimizer=bool(level), shard_gradients=level == "gradients"),
                            backend.get().Steps).install()
     return model
 

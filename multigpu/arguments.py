@@ -48,24 +48,53 @@ def check_flag(name: str, value, allow_none: bool = False) -> None:
         raise TypeError(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 
 
-def check_sharding(shard_optimizer, min_devices, facts) -> None:
+SHARD_LEVELS = ("optimizer", "gradients", "weights")
+
+
+def shard_level(shard, shard_optimizer, facts) -> str | bool | None:
+    """``parallelize``'s ``shard`` and ``shard_optimizer`` as one choice: ``"optimizer"``, ``"gradients"``,
+    False (the whole state on every device) or None (chosen by :func:`shard_by_default`)."""
     check_flag("shard_optimizer", shard_optimizer, allow_none=True)
-    if shard_optimizer and not facts.shard_optimizer:
-        raise ValueError(f"`shard_optimizer=True` runs on the torch, TensorFlow and JAX backends; on the "
+    if shard is None:
+        return None if shard_optimizer is None else ("optimizer" if shard_optimizer else False)
+    if shard not in SHARD_LEVELS:
+        raise ValueError(f"`shard` must be one of {', '.join(map(repr, SHARD_LEVELS))} or None. "
+                         f"Received: shard={shard!r}")
+    if shard_optimizer is False:
+        raise ValueError(f"`shard={shard!r}` puts the optimizer state in parts, and `shard_optimizer=False` keeps it "
+                         f"whole: give one of them. Received: shard={shard!r}, shard_optimizer=False")
+    if shard == "weights":
+        raise ValueError("`shard='weights'` (each device holding a part of the weights between steps, ZeRO stage "
+                         "3) is not built yet. Received: shard='weights'. Use shard='gradients' (the gradients and "
+                         "the optimizer state in parts) or shard='optimizer'.")
+    if shard == "gradients" and not facts.shard_gradients:
+        raise ValueError(f"`shard='gradients'` runs on the torch backend; on the {facts.name} backend use "
+                         f"shard='optimizer'. Received: shard='gradients' with KERAS_BACKEND={facts.name}")
+    return shard
+
+
+def check_sharding(level, min_devices, facts) -> None:
+    """Refuses the state in parts (``level``, from :func:`shard_level`) where it cannot run."""
+    given = f"shard={level!r}" if level == "gradients" else "shard_optimizer=True"
+    if level and not facts.shard_optimizer:
+        raise ValueError(f"`{given}` runs on the torch, TensorFlow and JAX backends; on the "
                          f"{facts.name} backend every device holds the whole optimizer state. Received: "
-                         f"shard_optimizer=True with KERAS_BACKEND={facts.name}")
-    if shard_optimizer and min_devices is not None:
-        raise ValueError("`shard_optimizer=True` cannot go with `min_devices`: the optimizer state of a lost "
-                         "device's part of the weights would be lost with it. Received: shard_optimizer=True, "
+                         f"{given} with KERAS_BACKEND={facts.name}")
+    if level and min_devices is not None:
+        raise ValueError(f"`{given}` cannot go with `min_devices`: the optimizer state of a lost "
+                         f"device's part of the weights would be lost with it. Received: {given}, "
                          f"min_devices={min_devices}")
 
 
-def shard_by_default(transport: str, shrinks: bool, facts) -> bool:
-    """``shard_optimizer=None``: the optimizer state in parts where it was measured faster and smaller, ranks of
-    one machine summing through shared memory (``benchmarks/optimizer_sharding/``), and not where a lost device
+def shard_by_default(transport: str, shrinks: bool, facts) -> str | bool:
+    """``shard=None, shard_optimizer=None``: the state in parts where it was measured faster and smaller, ranks of
+    one machine summing through shared memory (``benchmarks/optimizer_sharding/``), and the gradients too where
+    the backend streams them (torch: about one copy of the gradients less, as fast); not where a lost device
     would take its part along (``min_devices``) or where the new weights' collective doubles the bytes on a
     link it was not measured on (gloo between machines, NCCL, JAX's XLA sums)."""
-    return bool(facts.shard_optimizer) and transport == "shm" and not shrinks
+    if not facts.shard_optimizer or transport != "shm" or shrinks:
+        return False
+    return "gradients" if facts.shard_gradients else "optimizer"
 
 
 def check_caps(max_batch, n: int):

@@ -48,10 +48,23 @@ def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(m
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer=True, min_devices=1)
     with pytest.raises(TypeError, match=r"must be True, False or None. Received: shard_optimizer='yes'"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer="yes")
+    with pytest.raises(ValueError, match=r"`shard` must be one of 'optimizer', 'gradients', 'weights' or None. "
+                                         r"Received: shard='all'"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="all")
+    with pytest.raises(ValueError, match=r"give one of them. Received: shard='gradients', shard_optimizer=False"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients", shard_optimizer=False)
+    with pytest.raises(ValueError, match=r"`shard='weights'` .* is not built yet"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="weights")
+    with pytest.raises(ValueError, match=r"cannot go with `min_devices`"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients", min_devices=1)
     facts = backend.facts()
     monkeypatch.setattr(backend, "facts", lambda: type(facts)("numpy"))
     with pytest.raises(ValueError, match=r"runs on the torch, TensorFlow and JAX backends.*KERAS_BACKEND=numpy"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard_optimizer=True)
+    monkeypatch.setattr(backend, "facts", lambda: type(facts)("tensorflow", shard_optimizer=True))
+    with pytest.raises(ValueError, match=r"`shard='gradients'` runs on the torch backend; on the tensorflow backend "
+                                         r"use shard='optimizer'"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients")
 
 
 def _run(args, cwd, timeout=240, extra=None):
@@ -98,7 +111,9 @@ def plain_folder(tmp_path_factory):
                           ("tensorflow", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo"),
                           ("jax", "cpu:0,cpu:1", "3,1", "auto"), ("jax", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo")])
 def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend, devices, ratios, transport):
-    """Over shared memory the new weights are written straight into the result (torch) or summed (TensorFlow,
+    """On torch with ``shard="gradients"`` (the optimizer state in parts, and the built-in step's gradients
+    written into the sum's buffer during the backward pass, none kept), elsewhere ``shard="optimizer"``.
+    Over shared memory the new weights are written straight into the result (torch) or summed (TensorFlow,
     inside its step); over gloo (between machines, and a GPU beside a CPU) they are summed with zeros where a
     rank does not own.  On JAX (XLA's collectives) the new weights are summed after the compiled update; an
     optimizer with an EMA is refused there, and a GAN's second optimizer has no place in Keras's JAX state."""
@@ -108,8 +123,9 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
     n = len(devices.split(","))
     extra = {"MULTIGPU_TRANSPORT": transport, "KERAS_BACKEND": backend}
     # the parallel run first: the plain checkpoint run then loads its file
+    shard = "gradients" if backend == "torch" else "optimizer"
     _run([sys.executable, str(SCRIPTS / "sharded.py"), modes, str(tmp_path / "par"), "--devices", devices,
-          "--ratios", ratios], tmp_path, extra=extra)
+          "--ratios", ratios, "--shard", shard], tmp_path, extra=extra)
     if "checkpoint" in modes:
         _run([sys.executable, str(SCRIPTS / "sharded.py"), "checkpoint", str(tmp_path / "plain"), "--plain"],
              tmp_path, extra=extra)
@@ -123,6 +139,10 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
         plain, ranks = pair("default")  # by default: in parts where the sums run through shared memory
         on = backend != "jax"
         assert all(bool(r["sharded"]) == on for r in ranks), [bool(r["sharded"]) for r in ranks]
+        # and the gradients too where the backend streams them (torch): none kept after the steps
+        level = {"torch": "gradients", "tensorflow": "optimizer"}.get(backend, "None")
+        assert [str(r["level"]) for r in ranks] == [level] * n
+        assert all((int(r["gradients_kept"]) == 0) == (backend == "torch") for r in ranks)
         held = [int(r["held"]) for r in ranks]
         assert (max(held) < int(plain["held"])) == on, held
 
@@ -146,6 +166,9 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
         held = [int(r[f"{name}.held"]) for r in ranks]
         assert max(held) < int(plain[f"{name}.held"]), (name, held)  # no rank held the whole state
         assert sum(held) >= int(plain[f"{name}.held"]), (name, held)  # every part on some rank
+        if shard == "gradients":  # the built-in step's gradients went into the sum's buffer, none kept
+            assert int(plain[f"{name}.gradients_kept"]) > 0, name  # (one device keeps its last ones)
+            assert [int(r[f"{name}.gradients_kept"]) for r in ranks] == [0] * n, name
     assert "LossScaleOptimizer" in str(ranks[0]["mixed_float16.optimizer"])
 
     for mode in ("custom", "gan") if backend != "jax" else ("custom",):

@@ -1,6 +1,7 @@
 """One run of ``bench_sharding.py``: a dense model of about 30M weights trained with Adam, as a plain script.
 
-    python benchmarks/optimizer_sharding/_script.py OUT.json --devices cpu:0,cpu:1 --ratios 1,1 [--shard]
+    python benchmarks/optimizer_sharding/_script.py OUT.json --devices cpu:0,cpu:1 --ratios 1,1 \
+        [--shard none|optimizer|gradients]
 
 Two epochs of ``--steps`` steps at global batch ``--batch``; rank 0 writes the second epoch's samples/s and
 each rank's peak resident memory (``VmHWM``) to OUT.json (ranks > 0 to OUT.json.rankR).
@@ -52,7 +53,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", default="cpu:0,cpu:1")
     p.add_argument("--ratios", default="1,1")
-    p.add_argument("--shard", action="store_true")
+    p.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--width", type=int, default=4096)
@@ -63,7 +64,8 @@ def main() -> None:
     devices = a.devices.split(",")
     if len(devices) > 1:
         model = multigpu.parallelize(model, devices=devices, ratios=[float(r) for r in a.ratios.split(",")],
-                                     shard_optimizer=a.shard)
+                                     shard_optimizer=False if a.shard == "none" else None,
+                                     shard=None if a.shard == "none" else a.shard)
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)

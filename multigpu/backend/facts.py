@@ -38,6 +38,7 @@ class Facts:
             framework can tell, ``total_memory`` and ``free_memory`` in bytes.
         versions: the framework's versions for reports (``{"torch": ..., "cuda": ...}``).
         shard_optimizer: whether ``parallelize(..., shard_optimizer=True)`` is built for the backend.
+        shard_gradients: whether ``parallelize(..., shard="gradients")`` is built for the backend.
         elastic: whether a run may go on without a lost device (``min_devices``): its engine can leave a
             broken group and form a new one of the survivors.
         sums_on_host: whether the step's sums run in host memory whatever the devices (a gloo group even
@@ -61,6 +62,7 @@ class Facts:
     gpu_info: Callable[[int], dict] = field(default=lambda index: {"name": "GPU"})
     versions: Callable[[], dict] = field(default=dict)
     shard_optimizer: bool = False
+    shard_gradients: bool = False
     elastic: bool = False
     sums_on_host: bool = False
     join_first: bool = False

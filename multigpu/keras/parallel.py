@@ -47,6 +47,7 @@ class Options:
     bucket_mb: float | None = None  # torch: the overlapped sums' bucket size in MiB (None: 4)
     shard_optimizer: bool = False  # each rank holds and updates the optimizer state of a part of the weights
     # (resolved by parallelize: None becomes what the transport chose)
+    shard_gradients: bool = False  # torch: the built-in step's gradients go into the sum's buffer, not kept
     replay: bool | None = None  # torch: False keeps Keras's own forward pass at every step
 
 
@@ -73,6 +74,8 @@ class State:
         joined: the lost devices that came back (``--max-restarts``), oldest first: ``rank``, ``device`` and
             ``at`` each.
         shard_optimizer: whether each device holds the optimizer state of a part of the weights only.
+        shard: how much of the training state is in parts: ``"gradients"`` (and the optimizer state),
+            ``"optimizer"``, or ``None``.
     """
 
     rank: int
@@ -88,6 +91,7 @@ class State:
     lost: list[dict] = field(default_factory=list)
     joined: list[dict] = field(default_factory=list)
     shard_optimizer: bool = False
+    shard: str | None = None
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
@@ -228,7 +232,9 @@ class ParallelModel:
         return State(self.runtime.rank, self.runtime.world_size, list(self.runtime.devices),
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
                      b.quantum, self.steps.overlapping, list(self.lost),
-                     list(self.joined), self.options.shard_optimizer)
+                     list(self.joined), self.options.shard_optimizer,
+                     "gradients" if self.options.shard_gradients else
+                     "optimizer" if self.options.shard_optimizer else None)
 
 
 def _is_parallel_model(model) -> bool:

@@ -1,7 +1,7 @@
 """A sharded optimizer (``shard_optimizer=True``) against one plain process, on torch and TensorFlow
 (``KERAS_BACKEND``).
 
-    python sharded.py MODES OUT [--plain] [--devices cpu:0,cpu:1] [--ratios 3,1]
+    python sharded.py MODES OUT [--plain] [--devices cpu:0,cpu:1] [--ratios 3,1] [--shard optimizer|gradients]
 
 MODES is a comma-separated list (or "all"); mode M writes OUT-M.npz (rank R > 0: OUT-M.npz.rankR.npz).
 
@@ -11,7 +11,8 @@ Modes:
              global_clipnorm, clipvalue, gradient accumulation, EMA, AdamW with a schedule, mixed_float16
              (LossScaleOptimizer), mixed_bfloat16;
              each writes its weights, losses, how many optimizer-state values this rank held after
-             training, and the whole optimizer state after ``multigpu.unparallelize``
+             training, how many gradient values its variables kept (torch), and the whole optimizer state
+             after ``multigpu.unparallelize``
   custom     a ``train_step`` of the model's own (backward, ``optimizer.apply``) with Adam
   gan        a GAN whose ``train_step`` calls two optimizers (Adam, SGD with momentum), by ``train_on_batch``
   default    no ``shard_optimizer`` given (equal shares): whether the run holds the state in parts (it does where
@@ -33,7 +34,14 @@ from modes import save
 
 
 def parallel(model, a):
-    return modes.parallel(model, a, shard_optimizer=True)
+    return modes.parallel(model, a, shard=a.shard)
+
+
+def gradients_kept(model) -> int:
+    """Gradient values the model's variables hold after training (torch: ``.grad``; -1 elsewhere)."""
+    if keras.backend.backend() != "torch":
+        return -1
+    return int(sum(v.value.grad.numel() for v in model.trainable_variables if v.value.grad is not None))
 
 
 def flat(values) -> np.ndarray:
@@ -116,6 +124,7 @@ def features(a):
         out[f"{name}.weights"] = flat(model.get_weights())
         out[f"{name}.loss"] = np.asarray(hist.history["loss"])
         out[f"{name}.held"] = np.asarray(held(model.optimizer))
+        out[f"{name}.gradients_kept"] = np.asarray(gradients_kept(model))
         out[f"{name}.optimizer"] = [type(model.optimizer).__name__]
         if not a.plain:
             multigpu.unparallelize(model)
@@ -276,14 +285,18 @@ def default(a):
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     sharded = bool(multigpu.state(model).shard_optimizer) if not a.plain else False
-    save(a, 0 if a.plain else multigpu.rank(), sharded=np.asarray(sharded), held=np.asarray(held(model.optimizer)))
+    level = str(multigpu.state(model).shard) if not a.plain else "None"
+    save(a, 0 if a.plain else multigpu.rank(), sharded=np.asarray(sharded), held=np.asarray(held(model.optimizer)),
+         level=np.asarray(level), gradients_kept=np.asarray(gradients_kept(model)))
 
 
 MODES = {"default": default, "features": features, "custom": custom, "gan": gan, "checkpoint": checkpoint}
 
 
 def main():
-    modes.run(MODES, modes.parser().parse_args())
+    p = modes.parser()
+    p.add_argument("--shard", default="optimizer", choices=["optimizer", "gradients"])
+    modes.run(MODES, p.parse_args())
 
 
 if __name__ == "__main__":

@@ -35,4 +35,4 @@ def _versions() -> dict:
 
 
 FACTS = Facts("torch", grid=0, scan=True, gpu_count=_gpu_count, gpu_info=_gpu_info, versions=_versions,
-              shard_optimizer=True, elastic=True)
+              shard_optimizer=True, shard_gradients=True, elastic=True)

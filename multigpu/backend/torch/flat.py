@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CAST_CHUNK", "Layout", "WeightedWriter"]
+__all__ = ["CAST_CHUNK", "Layout", "WeightedWriter", "weak_hook"]
 
 CAST_CHUNK = 1 << 18  # float32 values cast to 16 bits at a time (1 MiB: stays in cache)
 
@@ -75,3 +76,16 @@ class WeightedWriter:
             end = min(g.numel(), start + CAST_CHUNK)
             torch.mul(g[start:end], weight, out=scratch[: end - start])
             part[start:end].copy_(scratch[: end - start])
+
+
+def weak_hook(owner) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook calling ``owner._on_grad(tensor)`` that does not keep ``owner`` (and through it
+    the model) alive."""
+    ref = weakref.ref(owner)
+
+    def hook(tensor: torch.Tensor) -> None:
+        found = ref()
+        if found is not None:
+            found._on_grad(tensor)
+
+    return hook

@@ -28,7 +28,6 @@ call's variables in the previous step.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,8 +37,9 @@ from multigpu import failure, membership
 from multigpu._keras.model_parts import build_optimizer
 from multigpu._warn import warn_user
 from multigpu.backend.facts import HALF_PRECISION
-from multigpu.backend.torch.flat import Layout, WeightedWriter
+from multigpu.backend.torch.flat import Layout, WeightedWriter, weak_hook
 from multigpu.backend.torch.overlap import BUCKET_BYTES, Bucketed
+from multigpu.backend.torch.streamed import StreamedGradients
 
 __all__ = ["COMPRESSION", "GradientSync", "StepSums"]
 
@@ -83,10 +83,12 @@ class GradientSync:
         compression: ``None``, ``"bf16"`` or ``"fp16"``.
         overlap: sum gradients in buckets during the backward pass (see the module docstring).
         bucket_bytes: the buckets' size (default: :data:`~multigpu.backend.torch.overlap.BUCKET_BYTES`).
+        stream: the built-in step's gradients go into the sum's buffer during the backward pass and are not kept
+            (:mod:`multigpu.backend.torch.streamed`; not with compression or overlap).
     """
 
     def __init__(self, comm, waiting: Callable, compression: str | None = None, overlap: bool = False,
-                 bucket_bytes: int | None = None) -> None:
+                 bucket_bytes: int | None = None, stream: bool = False) -> None:
         if compression not in COMPRESSION:
             raise ValueError(f"`compression` must be one of {sorted(map(str, COMPRESSION))}. "
                              f"Received: compression={compression!r}")
@@ -107,6 +109,7 @@ class GradientSync:
         self.overlapping = False  # the last step's calls were summed during the backward pass
         self._kept_values: dict[int, torch.Tensor] = {}  # id(variable) -> where a step keeps its value (keep=True)
         self.read_extras = None  # what reads the summed extras of a call that sent some, while it is set
+        self.streamed = StreamedGradients(comm, self.writer) if stream and not overlap and not compression else None
 
     # ------------------------------------------------------------ wiring
     def wrap(self, optimizer, ledger) -> None:
@@ -194,9 +197,16 @@ class GradientSync:
                 v.value.copy_(value)
         kept.clear()
 
+    def stream(self, variables: list) -> None:
+        """Before the built-in step's backward pass: its gradients go into the sum's buffer (where streaming)."""
+        if self.streamed is not None and self.step is not None:
+            self.streamed.arm(variables, self._layout(variables), self.step.weight)
+
     def end_step(self) -> None:
         step, self.step = self.step, None
         self._disarm()
+        if self.streamed is not None:
+            self.streamed.disarm()
         if self.overlap and step is not None:
             self._expected = step.called
 
@@ -214,7 +224,7 @@ class GradientSync:
             plan = self._plans[key] = Bucketed(variables, half, self.comm.device, tail=len(variables) + 64,
                                                bucket_bytes=self.bucket_bytes, writer=self.writer)
             plan.tag = self._layout(variables).tag
-            hook = _weak_hook(self)
+            hook = weak_hook(self)
             for t in plan.tensors:
                 if id(t) not in self._hooked and t.requires_grad:
                     self._hooked[id(t)] = t.register_post_accumulate_grad_hook(hook)
@@ -314,8 +324,9 @@ class GradientSync:
         tag = (layout.tag * 31 + call * 7 + n_extra) % _TAG_MOD
         half = COMPRESSION[self.compression]
         n_grad, v = layout.numel, layout.variables
-        # float32 message: [grads (unless compressed) | used flags | extras | header]
-        head = [0.0 if g is None else 1.0 for g in grads]
+        # float32 message: [grads (unless compressed) | used flags | extras | header]; streamed: grads written
+        flat, head = (self.streamed.take(v + n_extra + 3) if self.streamed is not None and
+                      self.streamed.armed_for(layout) else (None, [0.0 if g is None else 1.0 for g in grads]))
         header = [float(tag), float(tag * tag), 1.0]
         if extras is None:  # the tail in one copy (element writes cost microseconds each)
             tail_values = torch.tensor(head + header, dtype=torch.float32)
@@ -324,8 +335,9 @@ class GradientSync:
                                      torch.tensor(header, dtype=torch.float32)])
         describe = lambda: layout.describe(n_extra, call)  # noqa: E731
         if half is None:
-            flat = self.comm.buffer(n_grad + tail_values.numel(), torch.float32)
-            self._fill(flat[:n_grad], grads, layout, step.weight)
+            if flat is None:
+                flat = self.comm.buffer(n_grad + tail_values.numel(), torch.float32)
+                self._fill(flat[:n_grad], grads, layout, step.weight)
             flat[n_grad:].copy_(tail_values)
             with self.waiting():
                 summed = self.comm.reduce(flat, tag=tag, what="summing gradients", describe=describe)
@@ -386,15 +398,3 @@ class GradientSync:
                 f"the ranks' optimizer calls did not match: this rank summed {describe()}, and another rank "
                 "something else. Every rank must call the optimizer on the same variables the same number "
                 "of times per step.")))
-
-
-def _weak_hook(sync: GradientSync) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook that does not keep ``sync`` (and through it the model) alive."""
-    ref = weakref.ref(sync)
-
-    def hook(tensor: torch.Tensor) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._on_grad(tensor)
-
-    return hook
