@@ -76,9 +76,9 @@ that were both given differ, rank 0 says in one line which it took.
   a CPU rank's tensors on a GPU where there is one).
 * ``KERAS_BACKEND``: ``torch`` (the default multigpu sets where unset), ``jax`` or ``tensorflow``; the
   supervisor passes it on, and on JAX and TensorFlow a rank joins the run before the program runs.
-* ``TF_CPP_MIN_LOG_LEVEL``: ``1`` on every rank multigpu starts where unset (TensorFlow's CPU-feature line, which
-  Keras imports on every backend where it is installed, not printed once per rank; its oneDNN line, logged before
-  absl's log starts, still is).
+* ``TF_CPP_MIN_LOG_LEVEL``: ``1`` on every rank multigpu starts where unset: TensorFlow's INFO lines (its
+  CPU-feature line) are not printed once per rank, nor are the INFO lines it writes while it is imported, before
+  its log starts (its oneDNN line: :mod:`multigpu.runtime.rank_entry` leaves them out).
 """
 
 from __future__ import annotations

@@ -98,3 +98,22 @@ def test_code_runs_in_the_main_module(tmp_path):
 def test_a_bad_command_line_says_what_it_takes(tmp_path):
     res = _entry(tmp_path, "file", "x.py")
     assert res.returncode == 2 and "script,module,code" in res.stderr and "'file'" in res.stderr
+
+
+@pytest.mark.parametrize("level", ["1", "0"])
+def test_tensorflows_startup_info_lines_are_left_out_where_its_log_level_hides_info(level):
+    pytest.importorskip("tensorflow")
+    code = textwrap.dedent("""
+        import sys
+        print("before", file=sys.stderr, flush=True)
+        import tensorflow as tf
+        print("imported", tf.constant(2.0).numpy() * 2, file=sys.stderr, flush=True)
+    """)
+    env = {"PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": level, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, *ENTRY, "code", code], capture_output=True, text=True, timeout=60,
+                         env=env, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "before" in res.stderr and "imported 4.0" in res.stderr, res.stderr
+    # TensorFlow's oneDNN line is written while it is imported, before absl's log starts (so whatever the level)
+    assert ("oneDNN custom operations" in res.stderr) == (level == "0"), res.stderr
+    assert ("All log messages before absl::InitializeLog()" in res.stderr) == (level == "0"), res.stderr

@@ -124,8 +124,11 @@ class StepsCore:
             self.shards.prepare(self.model.optimizer, self.model.trainable_variables)
             if not self._said_parts:
                 self._said_parts = True
-                self.balancer.log("the optimizer state in parts: each device holds and updates that of a part of "
-                                  "the weights, by its memory (shard_optimizer=False keeps a whole copy on each)")
+                gradients = self.parallel.options.shard_gradients
+                self.balancer.log(f"the optimizer state in parts{' and the gradients not kept' if gradients else ''}"
+                                  ": each device holds and updates that of a part of the weights, by its memory"
+                                  f"{', and writes its gradients into the sum as they are made' if gradients else ''}"
+                                  " (shard_optimizer=False keeps a whole copy on each)")
 
     def see_optimizers(self) -> None:
         """Takes in every optimizer of the model (once each): in parts, its update runs on the owned variables."""

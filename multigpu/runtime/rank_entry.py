@@ -17,17 +17,28 @@ down aborts the process ("terminate called without an active exception"),
 turning a finished rank into a failed one.
 
 This module imports neither torch nor Keras, so that the program can choose
-its Keras backend first.  On JAX the rank joins the run before the program
-runs, and on TensorFlow it binds its device then (:mod:`multigpu.backend.jax.group` and
+its Keras backend first.  Where TensorFlow's log level hides its INFO lines
+(``TF_CPP_MIN_LOG_LEVEL``, 1 on every rank multigpu starts where unset), the
+INFO lines it writes while it is imported, before its logging starts and so
+whatever that level (the oneDNN line, absl's notice before them), are left
+out of the rank's standard error; everything else it writes then is kept.
+
+On JAX the rank joins the run before the program runs, and on TensorFlow it
+binds its device then (:mod:`multigpu.backend.jax.group` and
 :mod:`multigpu.backend.tensorflow.group` say why).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib.abc
+import importlib.util
 import os
+import re
 import runpy
 import sys
+import tempfile
 import threading
 import types
 
@@ -135,12 +146,70 @@ def _join_early() -> None:
         start()
 
 
+_STARTUP_INFO = re.compile(r"^(I\d{4} \d\d:\d\d:\d\d|WARNING: All log messages before absl::InitializeLog\(\))")
+
+
+class _QuietTensorFlow(importlib.abc.MetaPathFinder):
+    """Imports ``tensorflow``, the first time anything does, with the INFO lines it writes meanwhile left out."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorflow":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name):  # resources and the like: the package's own loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        with _startup_info_left_out():
+            self.loader.exec_module(module)
+
+
+@contextlib.contextmanager
+def _startup_info_left_out():
+    """Standard error (the file descriptor: C++ writes there) into a file meanwhile, then back, without the
+    INFO lines absl writes before its logging starts."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                held.seek(0)
+                text = held.read().decode(errors="replace")
+                kept = [line for line in text.splitlines(keepends=True) if not _STARTUP_INFO.match(line)]
+                if kept:
+                    sys.stderr.write("".join(kept))
+                    sys.stderr.flush()
+    finally:
+        os.close(saved)
+
+
 def main(argv: list[str]) -> int:
     """Runs the program named by ``argv`` (kind, target, args) and returns its exit code."""
     if len(argv) < 2 or argv[0] not in KINDS:
         print(f"usage: python -m {__name__} {{{','.join(KINDS)}}} TARGET [ARGS...]; received {argv!r}",
               file=sys.stderr)
         return 2
+    if (env.get("TF_CPP_MIN_LOG_LEVEL") or "0") not in ("", "0") and "tensorflow" not in sys.modules:
+        sys.meta_path.insert(0, _QuietTensorFlow())
     try:
         _join_early()
         _run(argv[0], argv[1], argv[2:])
