@@ -67,10 +67,11 @@ test: $(TEST_STAMP) lint docs
 
 # Every check that needs a GPU, on a machine with one and a CUDA build of torch (and Keras) in GPU_PYTHON:
 # the CUDA path (a GPU rank beside a CPU rank, exact), a real CUDA out-of-memory error taken again within a
-# lowered cap, a sharded optimizer on a GPU rank beside a CPU rank (mixed precision among its cases), and the
+# lowered cap, the optimizer state in parts (and shard="gradients") on a GPU rank beside a CPU rank (mixed
+# precision among its cases), and the
 # TensorFlow and JAX GPU paths where their CUDA builds are installed in GPU_PYTHON (skipped, and said, where
 # not). Nothing else depends on a GPU. 3 min 27 s on one H100 for the first 5 tests (0.3.0); the TensorFlow and
-# JAX cases have not run on a GPU yet. Two GPUs over NCCL need a machine with two.
+# JAX cases and shard="gradients" have not run on a GPU yet. Two GPUs over NCCL need a machine with two.
 GPU_PYTHON ?= python3
 gpu-check:
 	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py

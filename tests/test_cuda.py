@@ -95,9 +95,11 @@ def test_a_real_cuda_out_of_memory_is_cut_again_and_stays_exact(runner, tmp_path
     assert json.loads(out.read_text())["error"] < TOLERANCE["sgd"]
 
 
-def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner):
-    """``shard_optimizer=True`` with a GPU rank beside a CPU rank (the weights gathered over gloo, the state in
-    CUDA and CPU tensors): every optimizer feature and a checkpoint, against plain Keras on the GPU."""
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner, shard):
+    """The optimizer state in parts with a GPU rank beside a CPU rank (the weights gathered over gloo, the state
+    in CUDA and CPU tensors), and with ``shard="gradients"`` the GPU rank's gradients written into the sum's
+    buffer and not kept: every optimizer feature, against plain Keras on the GPU."""
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", **F32}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     plain = subprocess.run([sys.executable, str(SCRIPTS / "sharded.py"), "features", str(runner.tmp_path / "plain"),
@@ -105,7 +107,7 @@ def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner):
                            cwd=runner.tmp_path)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     res = runner.run([sys.executable, str(SCRIPTS / "sharded.py"), "features", str(runner.tmp_path / "par"),
-                      "--devices", "cuda:0,cpu:0", "--ratios", "3,1"], timeout=240, extra_env=F32)
+                      "--devices", "cuda:0,cpu:0", "--ratios", "3,1", "--shard", shard], timeout=240, extra_env=F32)
     assert res.returncode == 0, res.stdout
     with np.load(runner.tmp_path / "plain-features.npz") as p, np.load(runner.tmp_path / "par-features.npz") as g:
         names = [k.split(".")[0] for k in p.files if k.endswith(".weights")]
@@ -115,6 +117,7 @@ def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner):
             assert max_relative_error([p[f"{name}.weights"]], [g[f"{name}.weights"]]) <= tolerance, name
             assert max_relative_error([p[f"{name}.state"]], [g[f"{name}.state"]]) <= tolerance, name
             assert int(g[f"{name}.held"]) < int(p[f"{name}.held"]), name
+            assert (int(g[f"{name}.gradients_kept"]) == 0) == (shard == "gradients"), name
 
 
 def _sees_a_gpu(backend: str) -> bool:
