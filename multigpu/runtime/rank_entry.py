@@ -150,21 +150,29 @@ _STARTUP_INFO = re.compile(r"^(I\d{4} \d\d:\d\d:\d\d|WARNING: All log messages b
 
 
 class _QuietTensorFlow(importlib.abc.MetaPathFinder):
-    """Imports ``tensorflow``, the first time anything does, with the INFO lines it writes meanwhile left out."""
+    """Imports ``tensorflow``, the first time anything does, with the INFO lines it writes meanwhile left out (a
+    look for it without importing it, as torch's ``find_spec`` probe, leaves this in place)."""
+
+    def __init__(self) -> None:
+        self._looking = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow":
+        if name != "tensorflow" or self._looking:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._looking = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _QuietLoader(spec.loader)
+            spec.loader = _QuietLoader(spec.loader, self)
         return spec
 
 
 class _QuietLoader(importlib.abc.Loader):
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, finder: _QuietTensorFlow) -> None:
         self.loader = loader
+        self.finder = finder
 
     def __getattr__(self, name):  # resources and the like: the package's own loader's
         return getattr(self.loader, name)
@@ -173,6 +181,8 @@ class _QuietLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
         module.__loader__ = module.__spec__.loader = self.loader
         with _startup_info_left_out():
             self.loader.exec_module(module)
