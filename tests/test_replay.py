@@ -240,3 +240,22 @@ def test_a_keras_hub_backbone_with_dropout_is_replayed_bit_for_bit():
     assert r.replayed == 1
     for a, b in zip(got, want):
         _assert_same(a, b)
+
+
+def test_the_checks_gradient_digests_tell_equal_gradients_from_any_other():
+    from multigpu.backend.torch.digest import gradient_digests
+
+    torch.manual_seed(0)
+    w, b, unused = (torch.nn.Parameter(torch.randn(*s)) for s in ((3, 4), (4,), (2,)))
+    x = torch.randn(5, 3)
+
+    def loss(scale=1.0):
+        return ((x @ w + b) ** 2).sum() * scale
+
+    a = gradient_digests(loss(), [w, b, unused], retain_graph=True)
+    assert a == gradient_digests(loss(), [w, b, unused])  # the same pass: the same bytes
+    assert a[2] is None and a[0][:2] == (torch.float32, (3, 4))
+    nudged = gradient_digests(loss(1.0 + 2**-20), [w, b, unused])  # gradients a few ulps away
+    assert nudged[0] != a[0] and nudged[1] != a[1]
+    want = torch.autograd.grad(loss(), [w])[0]  # and the parameters' own gradients are untouched
+    assert w.grad is None and torch.isfinite(want).all()

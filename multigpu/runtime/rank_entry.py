@@ -146,6 +146,7 @@ def _join_early() -> None:
         start()
 
 
+_QUIETED = "tensorflow"  # the package whose start-up INFO lines are left out (on every Keras backend)
 _STARTUP_INFO = re.compile(r"^(I\d{4} \d\d:\d\d:\d\d|WARNING: All log messages before absl::InitializeLog\(\))")
 
 
@@ -157,7 +158,7 @@ class _QuietTensorFlow(importlib.abc.MetaPathFinder):
         self._looking = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow" or self._looking:
+        if name != _QUIETED or self._looking:
             return None
         self._looking = True
         try:
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m {__name__} {{{','.join(KINDS)}}} TARGET [ARGS...]; received {argv!r}",
               file=sys.stderr)
         return 2
-    if (env.get("TF_CPP_MIN_LOG_LEVEL") or "0") not in ("", "0") and "tensorflow" not in sys.modules:
+    if (env.get("TF_CPP_MIN_LOG_LEVEL") or "0") not in ("", "0") and _QUIETED not in sys.modules:
         sys.meta_path.insert(0, _QuietTensorFlow())
     try:
         _join_early()
