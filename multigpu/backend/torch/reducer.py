@@ -83,12 +83,12 @@ class GradientSync:
         compression: ``None``, ``"bf16"`` or ``"fp16"``.
         overlap: sum gradients in buckets during the backward pass (see the module docstring).
         bucket_bytes: the buckets' size (default: :data:`~multigpu.backend.torch.overlap.BUCKET_BYTES`).
-        stream: the built-in step's gradients go into the sum's buffer during the backward pass and are not kept
-            (:mod:`multigpu.backend.torch.streamed`; not with compression or overlap).
+        stream_model: the model whose built-in step's gradients go into the sum's buffer during the backward
+            pass and are not kept (:mod:`multigpu.backend.torch.streamed`; not with compression or overlap).
     """
 
     def __init__(self, comm, waiting: Callable, compression: str | None = None, overlap: bool = False,
-                 bucket_bytes: int | None = None, stream: bool = False) -> None:
+                 bucket_bytes: int | None = None, stream_model=None) -> None:
         if compression not in COMPRESSION:
             raise ValueError(f"`compression` must be one of {sorted(map(str, COMPRESSION))}. "
                              f"Received: compression={compression!r}")
@@ -109,7 +109,8 @@ class GradientSync:
         self.overlapping = False  # the last step's calls were summed during the backward pass
         self._kept_values: dict[int, torch.Tensor] = {}  # id(variable) -> where a step keeps its value (keep=True)
         self.read_extras = None  # what reads the summed extras of a call that sent some, while it is set
-        self.streamed = StreamedGradients(comm, self.writer) if stream and not overlap and not compression else None
+        self.streamed = (StreamedGradients(comm, self.writer, stream_model)
+                         if stream_model is not None and not overlap and not compression else None)
 
     # ------------------------------------------------------------ wiring
     def wrap(self, optimizer, ledger) -> None:
@@ -144,6 +145,8 @@ class GradientSync:
         self.step = self._last = StepSums(float(weight), kept={} if keep else None)
         self.overlapping = False
         self._arm(0)
+        if self.streamed is not None:
+            self.streamed.arm(weight, self._layout)
         return self.step
 
     # The running (or last) step's figures, for the steps and the tests.
@@ -196,11 +199,6 @@ class GradientSync:
             for v, value in kept.values():
                 v.value.copy_(value)
         kept.clear()
-
-    def stream(self, variables: list) -> None:
-        """Before the built-in step's backward pass: its gradients go into the sum's buffer (where streaming)."""
-        if self.streamed is not None and self.step is not None:
-            self.streamed.arm(variables, self._layout(variables), self.step.weight)
 
     def end_step(self) -> None:
         step, self.step = self.step, None

@@ -63,7 +63,8 @@ class TorchSteps(Evaluation, StepsCore):
         self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression,
                                  overlap=_overlap(self.comm, parallel.options.overlap),
                                  bucket_bytes=_bucket_bytes(parallel.options.bucket_mb),
-                                 stream=parallel.options.shard_gradients and not parallel.options.sync_batchnorm)
+                                 stream_model=model if parallel.options.shard_gradients and self.user_train_step is None
+                                 and not parallel.options.sync_batchnorm else None)
         self.metrics = GlobalMetrics(model, self.comm)
         self.memory = DeviceMemory(self.comm, self.balancer,
                                    CudaMemory(self.comm.device) if self.comm.device.type == "cuda" else None)
@@ -168,7 +169,6 @@ class TorchSteps(Evaluation, StepsCore):
         model.zero_grad()
         trainable = model.trainable_weights[:]
         logs_local, short, cap = None, 0, 0
-        self.sync.stream(trainable)
         if plan.local > 0 or self.sync_batchnorm:  # (global statistics: a rank with no rows joins their sums)
             logs_local, short, cap = self.driver.local(
                 plan.local, lambda: self._forward_backward(data, plan, trainable), self._release)
@@ -214,8 +214,6 @@ class TorchSteps(Evaluation, StepsCore):
     def _release(self) -> None:
         """What a pass that ran out of memory held, given back: the gradients, the recorded passes."""
         self.model.zero_grad()
-        if self.sync.streamed is not None:
-            self.sync.streamed.forget()
         self.forward.forget()
         self.memory.release()
 

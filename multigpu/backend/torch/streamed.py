@@ -20,7 +20,7 @@ the backward pass (:mod:`.overlap`, which writes into its own buckets).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -35,18 +35,22 @@ class StreamedGradients:
     Args:
         comm: the run's collectives (its :meth:`buffer` is written into).
         writer: writes weighted gradients (shared with the plain path's sums).
+        model: the model whose trainable variables' gradients are streamed.
     """
 
-    def __init__(self, comm, writer: WeightedWriter) -> None:
+    def __init__(self, comm, writer: WeightedWriter, model) -> None:
         self.comm = comm
         self.writer = writer
+        self.model = model
         self._hooked: dict[int, object] = {}  # id(tensor) -> its hook's handle
         self._tail = 0  # the tail's length last step: the buffer is asked for at its full size before the pass
         self._armed: _Armed | None = None
 
-    def arm(self, variables: Sequence, layout: Layout, weight: float) -> None:
-        """Before the backward pass: the gradients of ``variables`` go into the buffer of the next sum, times
-        ``weight``."""
+    def arm(self, weight: float, layout_of: Callable[[list], Layout]) -> None:
+        """At a training step's start: the gradients of the model's trainable variables go into the buffer of the
+        next sum, times ``weight`` (``layout_of`` gives their :class:`~multigpu.backend.torch.flat.Layout`)."""
+        variables = list(self.model.trainable_weights)
+        layout = layout_of(variables)
         flat = self.comm.buffer(layout.numel + (self._tail or len(layout.offsets) + 64), torch.float32)
         tensors = [v.value for v in variables]
         self._armed = _Armed(layout, {id(t): i for i, t in enumerate(tensors)}, flat, float(weight),
@@ -58,11 +62,6 @@ class StreamedGradients:
 
     def disarm(self) -> None:
         self._armed = None
-
-    def forget(self) -> None:
-        """A pass that ran out of memory: what it wrote is not this rank's gradient (zeros go instead)."""
-        if self._armed is not None:
-            self._armed.written = [False] * len(self._armed.written)
 
     def armed_for(self, layout: Layout) -> bool:
         return self._armed is not None and self._armed.layout is layout
