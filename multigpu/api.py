@@ -171,6 +171,7 @@ def parallelize(
     arguments.check_flag("overlap", overlap, allow_none=True)
     arguments.check_flag("replay", replay, allow_none=True)
     overlap = env.fallback("overlap", overlap, env.OVERLAP, arguments.switch(env.OVERLAP), say=say)
+    arguments.check_streaming(level, compression=compression, sync_batchnorm=sync_batchnorm, overlap=overlap)
     replay = env.fallback("replay", replay, env.REPLAY, arguments.switch(env.REPLAY), say=say)
     bucket_mb = arguments.bucket_mb(env.fallback("bucket_mb", bucket_mb, env.BUCKET_MB, arguments.megabytes, say=say))
     if transport not in arguments.TRANSPORTS:
@@ -214,7 +215,8 @@ def parallelize(
     if shrinks:
         _allow_shrink(runtime, comm, min_devices, facts, say)
     if level is None:
-        level = arguments.shard_by_default(comm.transport, shrinks, facts)
+        level = arguments.shard_by_default(comm.transport, shrinks, facts,
+                                           streams=compression is None and not sync_batchnorm and not overlap)
     balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_leader(comm))
     parallel.ParallelModel(model, runtime, comm, balancer,
                            parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression,

@@ -73,6 +73,19 @@ def shard_level(shard, shard_optimizer, facts) -> str | bool | None:
     return shard
 
 
+def check_streaming(level, *, compression, sync_batchnorm: bool, overlap) -> None:
+    """Refuses ``shard="gradients"`` beside what writes the gradients after the backward pass instead."""
+    if level != "gradients":
+        return
+    given = [f"{name}={value!r}" for name, value, on in (
+        ("compression", compression, compression is not None), ("sync_batchnorm", sync_batchnorm, sync_batchnorm),
+        ("overlap", overlap, bool(overlap))) if on]
+    if given:
+        raise ValueError(f"`shard='gradients'` writes each gradient into the sum during the backward pass, which "
+                         f"{', '.join(given)} does not allow (the step writes its gradients after the pass there). "
+                         f"Received: shard='gradients', {', '.join(given)}. Use shard='optimizer'.")
+
+
 def check_sharding(level, min_devices, facts) -> None:
     """Refuses the state in parts (``level``, from :func:`shard_level`) where it cannot run."""
     given = f"shard={level!r}" if level == "gradients" else "shard_optimizer=True"
@@ -86,15 +99,16 @@ def check_sharding(level, min_devices, facts) -> None:
                          f"min_devices={min_devices}")
 
 
-def shard_by_default(transport: str, shrinks: bool, facts) -> str | bool:
+def shard_by_default(transport: str, shrinks: bool, facts, streams: bool = True) -> str | bool:
     """``shard=None, shard_optimizer=None``: the state in parts where it was measured faster and smaller, ranks of
     one machine summing through shared memory (``benchmarks/optimizer_sharding/``), and the gradients too where
-    the backend streams them (torch: about one copy of the gradients less, as fast); not where a lost device
+    the backend streams them (torch: about one copy of the gradients less, as fast; ``streams``: no compression,
+    global BatchNorm statistics or sums during the backward pass, which write them after it); not where a lost device
     would take its part along (``min_devices``) or where the new weights' collective doubles the bytes on a
     link it was not measured on (gloo between machines, NCCL, JAX's XLA sums)."""
     if not facts.shard_optimizer or transport != "shm" or shrinks:
         return False
-    return "gradients" if facts.shard_gradients else "optimizer"
+    return "gradients" if facts.shard_gradients and streams else "optimizer"
 
 
 def check_caps(max_batch, n: int):

@@ -41,7 +41,7 @@ def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(m
     import keras
 
     import multigpu
-    from multigpu import backend
+    from multigpu import arguments, backend
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match=r"cannot go with `min_devices`.*min_devices=1"):
@@ -57,6 +57,17 @@ def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(m
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="weights")
     with pytest.raises(ValueError, match=r"cannot go with `min_devices`"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients", min_devices=1)
+    for given, pattern in (({"compression": "bf16"}, "compression='bf16'"),
+                           ({"sync_batchnorm": True}, "sync_batchnorm=True"), ({"overlap": True}, "overlap=True")):
+        with pytest.raises(ValueError, match=rf"does not allow .*Received: shard='gradients', {pattern}\. "
+                                             r"Use shard='optimizer'"):
+            multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients", **given)
+    # by default the gradients are in parts only where the step writes them during the backward pass
+    torch_facts = backend.facts()
+    assert arguments.shard_by_default("shm", False, torch_facts) == ("gradients" if torch_facts.shard_gradients
+                                                                     else "optimizer")
+    assert arguments.shard_by_default("shm", False, torch_facts, streams=False) == "optimizer"
+    assert arguments.shard_by_default("gloo", False, torch_facts) is False
     facts = backend.facts()
     monkeypatch.setattr(backend, "facts", lambda: type(facts)("numpy"))
     with pytest.raises(ValueError, match=r"runs on the torch, TensorFlow and JAX backends.*KERAS_BACKEND=numpy"):

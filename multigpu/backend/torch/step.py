@@ -63,8 +63,8 @@ class TorchSteps(Evaluation, StepsCore):
         self.sync = GradientSync(self.comm, self.timing.waiting, parallel.options.compression,
                                  overlap=_overlap(self.comm, parallel.options.overlap),
                                  bucket_bytes=_bucket_bytes(parallel.options.bucket_mb),
-                                 stream_model=model if parallel.options.shard_gradients and self.user_train_step is None
-                                 and not parallel.options.sync_batchnorm else None)
+                                 stream_model=(model if parallel.options.shard_gradients
+                                               and self.user_train_step is None else None))
         self.metrics = GlobalMetrics(model, self.comm)
         self.memory = DeviceMemory(self.comm, self.balancer,
                                    CudaMemory(self.comm.device) if self.comm.device.type == "cuda" else None)
