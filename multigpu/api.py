@@ -138,8 +138,11 @@ def parallelize(
             gradients written into the sum's buffer while the backward pass
             makes them instead of kept beside it (one copy of the gradients
             less on every device; each device's update reads its own part of
-            the sum). ``"weights"`` (ZeRO stage 3) is not built yet.
-            Default (``None``): ``shard_optimizer``'s.
+            the sum; the sums no longer start during the backward pass, as
+            they do by default between machines and on GPUs). Not with
+            ``compression``, ``sync_batchnorm`` or ``overlap=True``.
+            ``"weights"`` (ZeRO stage 3) is not built yet. Default
+            (``None``): ``shard_optimizer``'s.
 
     Returns:
         The same model object, now parallel.
@@ -172,6 +175,8 @@ def parallelize(
     arguments.check_flag("replay", replay, allow_none=True)
     overlap = env.fallback("overlap", overlap, env.OVERLAP, arguments.switch(env.OVERLAP), say=say)
     arguments.check_streaming(level, compression=compression, sync_batchnorm=sync_batchnorm, overlap=overlap)
+    if level == "gradients" and overlap is None:
+        overlap = False  # asked for: the gradients go into the sum during the backward pass, not in buckets
     replay = env.fallback("replay", replay, env.REPLAY, arguments.switch(env.REPLAY), say=say)
     bucket_mb = arguments.bucket_mb(env.fallback("bucket_mb", bucket_mb, env.BUCKET_MB, arguments.megabytes, say=say))
     if transport not in arguments.TRANSPORTS:

@@ -107,7 +107,8 @@ def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner, s
                            cwd=runner.tmp_path)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     res = runner.run([sys.executable, str(SCRIPTS / "sharded.py"), "features", str(runner.tmp_path / "par"),
-                      "--devices", "cuda:0,cpu:0", "--ratios", "3,1", "--shard", shard], timeout=240, extra_env=F32)
+                      "--devices", "cuda:0,cpu:0", "--ratios", "3,1", "--shard", shard], timeout=240,
+                     extra_env=F32)
     assert res.returncode == 0, res.stdout
     with np.load(runner.tmp_path / "plain-features.npz") as p, np.load(runner.tmp_path / "par-features.npz") as g:
         names = [k.split(".")[0] for k in p.files if k.endswith(".weights")]
