@@ -120,3 +120,20 @@ def test_tensorflows_startup_info_lines_are_left_out_where_its_log_level_hides_i
     # on every backend: keras.utils.set_random_seed imports TensorFlow where it is installed
     assert ("oneDNN custom operations" in res.stderr) == (level == "0"), res.stderr
     assert ("All log messages before absl::InitializeLog()" in res.stderr) == (level == "0"), res.stderr
+
+
+def test_what_tensorflows_import_writes_besides_its_info_lines_gets_out_at_once():
+    """A line written while the import runs reaches standard error then, not at its end: an import that aborts
+    the process (TensorFlow on a processor without the instructions it was built for) still says why."""
+    code = textwrap.dedent("""
+        import os, time
+        from multigpu.runtime import rank_entry
+        with rank_entry._startup_info_left_out():
+            os.write(2, b"I0000 00:00:1795869687.981141   16961 port.cc:153] oneDNN custom operations are on.\\n")
+            os.write(2, b"this processor lacks AVX\\n")
+            time.sleep(0.5)
+            os._exit(3)  # as an abort: nothing after this line runs
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 3, res.stderr
+    assert "this processor lacks AVX" in res.stderr and "oneDNN" not in res.stderr, res.stderr

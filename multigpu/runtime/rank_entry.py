@@ -38,7 +38,6 @@ import os
 import re
 import runpy
 import sys
-import tempfile
 import threading
 import types
 
@@ -191,26 +190,43 @@ class _QuietLoader(importlib.abc.Loader):
 
 @contextlib.contextmanager
 def _startup_info_left_out():
-    """Standard error (the file descriptor: C++ writes there) into a file meanwhile, then back, without the
-    INFO lines absl writes before its logging starts."""
+    """Standard error (the file descriptor: C++ writes there) through a pipe meanwhile, each line passed on as it
+    comes but the INFO lines absl writes before its logging starts (a line an aborting import writes still gets
+    out)."""
     sys.stderr.flush()
     saved = os.dup(2)
+    read, write = os.pipe()
+    passer = threading.Thread(target=_pass_on, args=(read, saved), name="multigpu-stderr", daemon=True)
+    passer.start()
+    os.dup2(write, 2)
+    os.close(write)
     try:
-        with tempfile.TemporaryFile() as held:
-            os.dup2(held.fileno(), 2)
-            try:
-                yield
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-                held.seek(0)
-                text = held.read().decode(errors="replace")
-                kept = [line for line in text.splitlines(keepends=True) if not _STARTUP_INFO.match(line)]
-                if kept:
-                    sys.stderr.write("".join(kept))
-                    sys.stderr.flush()
+        yield
     finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer gone: the thread reads to its end
+        passer.join(timeout=5.0)
         os.close(saved)
+
+
+def _pass_on(read: int, out: int) -> None:
+    """Copies ``read`` to ``out`` line by line until its end, leaving out :data:`_STARTUP_INFO`'s lines."""
+    rest = b""
+    with os.fdopen(read, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(65536):
+            *lines, rest = (rest + chunk).split(b"\n")
+            kept = b"".join(line + b"\n" for line in lines if not _STARTUP_INFO.match(line.decode(errors="replace")))
+            if kept:
+                _write(out, kept)
+    if rest and not _STARTUP_INFO.match(rest.decode(errors="replace")):
+        _write(out, rest)
+
+
+def _write(out: int, data: bytes) -> None:
+    try:
+        os.write(out, data)
+    except OSError:  # standard error closed, or the import outlived the wait for its last lines
+        pass
 
 
 def main(argv: list[str]) -> int:
