@@ -20,6 +20,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 
 def main() -> int:
@@ -30,7 +31,7 @@ def main() -> int:
     rng = np.random.default_rng(3)
     x = rng.normal(size=(90, 4)).astype("float32")
     y = (x[:, 0] - x[:, 2] > 0).astype("int64")
-    keras.utils.set_random_seed(4)
+    set_random_seed(4)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(2, activation="softmax")])
     rank = 0

@@ -13,6 +13,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 import multigpu
 
@@ -26,7 +27,7 @@ def main():
     p.add_argument("--rows", type=int, default=6144)
     p.add_argument("--ratios", default=None)
     a = p.parse_args()
-    keras.utils.set_random_seed(0)
+    set_random_seed(0)
     model = keras.Sequential([keras.Input((128,)), keras.layers.Dense(512, activation="relu"),
                               keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
     ratios = None if a.ratios is None else a.ratios

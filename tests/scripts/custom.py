@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import torch
 from keras import layers, ops
+from seeding import set_random_seed
 
 A = None  # the parsed arguments
 
@@ -113,7 +114,7 @@ def gan_parts(latent=3):
 
 
 def gan():
-    keras.utils.set_random_seed(10)
+    set_random_seed(10)
     d, g = gan_parts()
     model = parallel(GAN(d, g, 3))
     model.compile(keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.05),
@@ -147,7 +148,7 @@ class Scaled(keras.Sequential):
 
 
 def scaled():
-    keras.utils.set_random_seed(18)
+    set_random_seed(18)
     rng = np.random.default_rng(18)
     x = rng.normal(size=(48, 4)).astype("float32")
     y = (x @ rng.normal(size=(4, 2))).astype("float32")
@@ -184,7 +185,7 @@ def vae_data(rows=75):
 
 
 def vae():
-    keras.utils.set_random_seed(11)
+    set_random_seed(11)
     model = parallel(vae_model())
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     x, y = vae_data()
@@ -226,7 +227,7 @@ class VAEStep(keras.Model):
 
 
 def vae_step():
-    keras.utils.set_random_seed(12)
+    set_random_seed(12)
     model = parallel(VAEStep(vae_model()))
     model.compile(optimizer=keras.optimizers.SGD(0.05))
     x, y = vae_data()
@@ -261,7 +262,7 @@ class Distiller(keras.Model):
 
 
 def distiller():
-    keras.utils.set_random_seed(13)
+    set_random_seed(13)
     teacher = keras.Sequential([keras.Input((5,)), layers.Dense(12, activation="relu"), layers.Dense(3)])
     student = keras.Sequential([keras.Input((5,)), layers.Dense(4, activation="relu"), layers.Dense(3)])
     teacher.trainable = False
@@ -278,7 +279,7 @@ def distiller():
 
 # ------------------------------------------------------------------ train_on_batch GAN
 def on_batch():
-    keras.utils.set_random_seed(14)
+    set_random_seed(14)
     d, g = gan_parts()
     d = parallel(d)
     d.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.BinaryCrossentropy(from_logits=True))
@@ -311,7 +312,7 @@ class InternalLoss(layers.Layer):
 
 
 def unused():
-    keras.utils.set_random_seed(15)
+    set_random_seed(15)
     model = parallel(keras.Sequential([keras.Input((2,)), layers.Dense(2), InternalLoss(), layers.Dense(1)]))
     model.compile(optimizer=keras.optimizers.Adam(0.01))
     last = flat(keras.Sequential(model.layers[-1:]))
@@ -329,7 +330,7 @@ class Freeze(keras.callbacks.Callback):
 
 
 def frozen():
-    keras.utils.set_random_seed(16)
+    set_random_seed(16)
     x = np.random.default_rng(16).normal(size=(40, 3)).astype("float32")
     y = x[:, :1] * 2
     model = parallel(keras.Sequential([keras.Input((3,)), layers.Dense(1, trainable=False)]))
@@ -370,7 +371,7 @@ class Counter(keras.callbacks.Callback):
 
 
 def counts():
-    keras.utils.set_random_seed(17)
+    set_random_seed(17)
     model = parallel(keras.Sequential([keras.Input((3,)), layers.Dense(3)]))
     model.compile(optimizer="sgd", loss="mse", metrics=["mse"])
     cb = Counter()

@@ -17,6 +17,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 
 class Guide(keras.Model):
@@ -73,7 +74,7 @@ def main() -> None:
     y = (x @ rng.normal(size=(8, 2))).astype("float32")
     arrays, rank = {}, 0
     for name in ("sgd", "adam"):
-        keras.utils.set_random_seed(1)
+        set_random_seed(1)
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(16, activation="tanh")(inputs)
         if a.sync_bn:

@@ -15,10 +15,11 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 
 def build(seed: int) -> keras.Model:
-    keras.utils.set_random_seed(seed)
+    set_random_seed(seed)
     image = keras.Input((8, 8, 1), name="image")
     tokens = keras.Input((6,), dtype="int32", name="tokens")
     a = keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3))(image)

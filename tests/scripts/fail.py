@@ -22,6 +22,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 import torch
+from seeding import set_random_seed
 
 import multigpu
 
@@ -90,7 +91,7 @@ def main() -> int:
     p.add_argument("mode")
     p.add_argument("--timeout", type=float, default=10)
     a = p.parse_args()
-    keras.utils.set_random_seed(0)
+    set_random_seed(0)
     model = Step(a.mode) if a.mode in ("mismatch", "extra_call", "nan_logs") else keras.Sequential(
         [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
     model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios=[1, 1], timeout=a.timeout)

@@ -22,6 +22,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 import torch
+from seeding import set_random_seed
 
 ROWS, BATCH = 90, 32
 
@@ -78,7 +79,7 @@ def main() -> int:
     rank, results = 0, {}
     model = None
     for kind in ("pydataset", "dataloader", "generator"):
-        keras.utils.set_random_seed(6)
+        set_random_seed(6)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                                   keras.layers.Dense(2, activation="softmax")])
         if not a.plain:

@@ -22,6 +22,7 @@ import keras
 import modes
 import numpy as np
 from modes import save
+from seeding import set_random_seed
 
 
 def parallel(model, a, **kwargs):
@@ -29,7 +30,7 @@ def parallel(model, a, **kwargs):
 
 
 def two_input(a):
-    keras.utils.set_random_seed(3)
+    set_random_seed(3)
     i1, i2 = keras.Input((6,), name="a"), keras.Input((3,), name="b")
     h = keras.layers.Concatenate()([i1, i2])
     h = keras.layers.Dense(16, activation="relu")(h)
@@ -79,7 +80,7 @@ def two_input(a):
 
 
 def two_output(a):
-    keras.utils.set_random_seed(4)
+    set_random_seed(4)
     inp = keras.Input((5,))
     h = keras.layers.Dense(12, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-3))(inp)
     out1 = keras.layers.Dense(1, name="reg")(h)
@@ -101,7 +102,7 @@ def two_output(a):
 
 
 def sync_bn(a):
-    keras.utils.set_random_seed(5)
+    set_random_seed(5)
     model = keras.Sequential([
         keras.Input((6, 6, 2)),
         keras.layers.Conv2D(4, 3),
@@ -122,7 +123,7 @@ def sync_bn(a):
 
 
 def shared_bn(a):
-    keras.utils.set_random_seed(7)
+    set_random_seed(7)
     i1, i2 = keras.Input((5,)), keras.Input((5,))
     bn, dense = keras.layers.BatchNormalization(), keras.layers.Dense(5)
     h = keras.layers.Concatenate()([bn(dense(i1)), bn(dense(i2))])

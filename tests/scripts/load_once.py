@@ -41,8 +41,9 @@ if args.no_fit:  # under an outside launcher: no training, just what each proces
     raise SystemExit(0)
 
 import keras  # noqa: E402
+from seeding import set_random_seed  # noqa: E402
 
-keras.utils.set_random_seed(1)
+set_random_seed(1)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
 model.compile(keras.optimizers.SGD(0.05), "mse")
 initial = model.get_weights()

@@ -18,6 +18,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 import multigpu
 
@@ -33,7 +34,7 @@ y = rng.integers(0, 10, rows)
 
 
 def build():
-    keras.utils.set_random_seed(0)
+    set_random_seed(0)
     if convnet:  # activations of 28x28x32 and 14x14x64 a row: a step's memory is mostly its rows'
         layers = [keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
                   keras.layers.MaxPooling2D(),

@@ -31,6 +31,7 @@ import keras
 import modes
 import numpy as np
 from modes import save
+from seeding import set_random_seed
 
 
 def parallel(model, a):
@@ -110,7 +111,7 @@ def features(a):
     rank = 0
     for name, optimizer in FEATURES.items():
         keras.config.set_dtype_policy(name if name.startswith("mixed") else "float32")
-        keras.utils.set_random_seed(5)
+        set_random_seed(5)
         model, rank = parallel(small_model(), a)
         model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
         if name == "ema" and keras.backend.backend() == "jax" and not a.plain:
@@ -175,7 +176,7 @@ def custom(a):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(96, 4)).astype("float32")
     y = (x @ rng.normal(size=(4, 1))).astype("float32")
-    keras.utils.set_random_seed(3)
+    set_random_seed(3)
     model = StatelessCustom() if keras.backend.backend() == "jax" else Custom()
     model(x[:1])  # built, with its weights
     model, rank = parallel(model, a)
@@ -221,7 +222,7 @@ class GAN(keras.Model):
 
 
 def gan(a):
-    keras.utils.set_random_seed(11)
+    set_random_seed(11)
     model = GAN()
     model.build((None, 3))
     model, rank = parallel(model, a)
@@ -245,7 +246,7 @@ def checkpoint(a):
     path, weights = os.path.join(folder, "sharded-epoch1.keras"), os.path.join(folder, "sharded-epoch1.weights.h5")
 
     def compiled():
-        keras.utils.set_random_seed(5)
+        set_random_seed(5)
         model, rank = parallel(small_model(), a)
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
         return model, rank
@@ -277,7 +278,7 @@ def default(a):
     rng = np.random.default_rng(4)
     x = rng.normal(size=(64, 5)).astype("float32")
     y = rng.integers(0, 3, size=(64,))
-    keras.utils.set_random_seed(5)
+    set_random_seed(5)
     model = small_model()
     if not a.plain:
         model = multigpu.parallelize(model, devices=a.devices.split(","), ratios=[1.0] * len(a.devices.split(",")),

@@ -23,12 +23,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 BATCH = 64
 
 
 def build() -> keras.Model:
-    keras.utils.set_random_seed(1)
+    set_random_seed(1)
     return keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
                              keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
 

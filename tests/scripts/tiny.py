@@ -14,6 +14,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 import multigpu
 
@@ -88,7 +89,7 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0, help="for this many seconds")
     p.add_argument("--timeout", type=float, default=20.0, help="parallelize's collective timeout")
     a = p.parse_args()
-    keras.utils.set_random_seed(0)
+    set_random_seed(0)
     layers = ([] if a.unbuilt else [keras.Input((4,))]) + [keras.layers.Dense(8, activation="relu")]
     if a.bn:
         layers.append(keras.layers.BatchNormalization())

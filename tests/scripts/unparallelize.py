@@ -16,6 +16,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 import numpy as np
+from seeding import set_random_seed
 
 CLASSES = (keras.Model, keras.Sequential, keras.layers.Layer, keras.layers.BatchNormalization,
            keras.optimizers.Optimizer, keras.optimizers.SGD, keras.callbacks.BackupAndRestore)
@@ -39,7 +40,7 @@ def main() -> None:
 
     before = class_state()
     saving = (keras.saving.save_model, keras.saving.save_weights)
-    keras.utils.set_random_seed(2)
+    set_random_seed(2)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
                               keras.layers.Dense(2)])
     model = multigpu.parallelize(model, devices=a.devices.split(","), sync_batchnorm=True)

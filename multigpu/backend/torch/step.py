@@ -106,11 +106,6 @@ class TorchSteps(Evaluation, StepsCore):
         _move_to(self.model.variables, self.comm.device)
         self.comm.broadcast([v.value for v in variables], src=src, what=what)
 
-    def _offset_seeds(self, variables, offset: int) -> None:
-        with torch.no_grad():
-            for v in variables:
-                v.value[0] += offset
-
     # ---------------------------------------------------------- training
     def train_step(self, data):
         self._initialize()
