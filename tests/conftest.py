@@ -178,8 +178,19 @@ class Runner:
     def run(self, args: list[str], timeout: float = 120, extra_env: dict | None = None):
         return self.finish(self.start(args, extra_env), timeout)
 
+    def together(self, *commands: tuple[list[str], dict | None], timeout: float = 120):
+        """:func:`run_together` in this runner's environment and folder: ``(args, extra_env)`` each."""
+        return run_together(*({"args": args, "env": self.env(extra), "cwd": self.tmp_path,
+                               "preexec_fn": _default_sigint} for args, extra in commands), timeout=timeout)
+
     def script(self, name: str, *args: str, timeout: float = 120, extra_env: dict | None = None):
         return self.run([sys.executable, str(SCRIPTS / name), *args], timeout, extra_env)
+
+    def ranks(self, devices: str, name: str, *args: str, timeout: float = 120, extra_env: dict | None = None):
+        """``multigpu run --devices DEVICES`` of ``scripts/NAME ARGS``: its ranks, with no first process of the
+        script's own (``python NAME`` imports Keras once more before its ``parallelize``: tests/test_launch.py,
+        tests/test_reliability.py and the load-once tests run that path)."""
+        return self.cli("run", "--devices", devices, str(SCRIPTS / name), *args, timeout=timeout, extra_env=extra_env)
 
     def cli(self, *args: str, timeout: float = 120, extra_env: dict | None = None):
         return self.run([sys.executable, "-m", "multigpu", *args], timeout, extra_env)
@@ -191,6 +202,36 @@ class Runner:
             if not pids or time.monotonic() > deadline:
                 return pids
             time.sleep(0.2)
+
+
+def run_together(*commands: dict, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Runs independent commands at once and waits for every one (each a dict of ``subprocess.Popen``'s arguments,
+    ``args`` among them): a one-device reference beside the run it checks, so that each finds the core the other
+    leaves idle while it imports.  Standard error joins standard output; every one still running at ``timeout``
+    is killed with its process group, and the test fails."""
+    import tempfile
+
+    started = []
+    for command in commands:
+        out = tempfile.TemporaryFile(mode="w+")
+        started.append((subprocess.Popen(stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                         **command), out))
+    deadline = time.monotonic() + timeout
+    done = []
+    for proc, out in started:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other, _ in started:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+                    other.wait()
+            out.seek(0)
+            pytest.fail(f"timed out after {timeout}s: {proc.args}\n{out.read()[-3000:]}")
+        out.seek(0)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), ""))
+        out.close()
+    return done
 
 
 @pytest.fixture(autouse=True)

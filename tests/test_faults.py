@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 THREE = ["--devices", "cpu:0,cpu:1,cpu:2", "--ratios", "1,2,5"]
 TWO = ["--devices", "cpu:0,cpu:1", "--ratios", "1,3"]
+_RUN = [sys.executable, "-m", "multigpu", "run", "--devices"]  # then the devices: the ranks alone
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def _compare(got_path: Path, want: dict) -> list[int]:
 def test_the_survivors_finish_every_epoch_exactly(runner, one_device, faults, transport, lost, own_step):
     before = _shm()
     out = runner.tmp_path / "run.npz"
-    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", "1",
+    res = runner.run([*_RUN, THREE[1], str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", "1",
                       *(["--own-step"] if own_step else [])],
                      timeout=200, extra_env={"MULTIGPU_FAULT": faults, "MULTIGPU_TRANSPORT": transport})
     _survivors_finished(runner, res, out, one_device, faults, lost, before)
@@ -116,7 +117,7 @@ def test_on_tensorflow_the_survivors_finish_every_epoch_exactly(runner, one_devi
     in, and the weights and History equal one device's on TensorFlow."""
     before = _shm()
     out = runner.tmp_path / "run.npz"
-    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", min_devices],
+    res = runner.run([*_RUN, THREE[1], str(SCRIPTS / "faults.py"), str(out), *THREE, "--min-devices", min_devices],
                      timeout=220, extra_env={"MULTIGPU_FAULT": faults, "MULTIGPU_TRANSPORT": transport,
                                              "KERAS_BACKEND": "tensorflow"})
     _survivors_finished(runner, res, out, one_device_tf, faults, lost, before)
@@ -136,7 +137,7 @@ def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, request,
     items), and take over its turn of reading; the result is one device's."""
     before = _shm()
     out = runner.tmp_path / "run.npz"
-    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), *TWO, "--min-devices", "1",
+    res = runner.run([*_RUN, TWO[1], str(SCRIPTS / "faults.py"), str(out), *TWO, "--min-devices", "1",
                       "--input", source], timeout=200, extra_env={"MULTIGPU_FAULT": faults, "KERAS_BACKEND": backend})
     assert res.returncode == 0, res.stdout[-3000:]
     want = request.getfixturevalue("one_device" if backend == "torch" else "one_device_tf")
@@ -146,7 +147,7 @@ def test_inputs_read_once_per_machine_go_on_without_a_lost_rank(runner, request,
 
 
 def test_losing_the_reader_of_a_generator_ends_the_run_saying_why(runner):
-    res = runner.run([sys.executable, str(SCRIPTS / "faults.py"), str(runner.tmp_path / "run.npz"), *TWO,
+    res = runner.run([*_RUN, TWO[1], str(SCRIPTS / "faults.py"), str(runner.tmp_path / "run.npz"), *TWO,
                       "--min-devices", "1", "--input", "generator"], timeout=200,
                      extra_env={"MULTIGPU_FAULT": "0:forward:3"})
     assert res.returncode != 0

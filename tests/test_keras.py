@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, run_together
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -35,14 +35,15 @@ def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("features")
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default",
            "PYTHONUNBUFFERED": "1"}
-    plain = subprocess.run([sys.executable, str(SCRIPTS / "keras_features.py"), COMPARED, str(folder / "plain"),
-                            "--plain"], capture_output=True, check=False, text=True, timeout=200, env=env, cwd=folder)
-    assert plain.returncode == 0, plain.stdout + plain.stderr
-    par = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
-                          str(SCRIPTS / "keras_features.py"), "all", str(folder / "par")],
-                         capture_output=True, check=False, text=True, timeout=200, env=env, cwd=folder)
-    assert par.returncode == 0, par.stdout + par.stderr
-    return folder, par.stdout + par.stderr
+    plain, par = run_together(
+        {"args": [sys.executable, str(SCRIPTS / "keras_features.py"), COMPARED, str(folder / "plain"), "--plain"],
+         "env": env, "cwd": folder},
+        {"args": [sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
+                  str(SCRIPTS / "keras_features.py"), "all", str(folder / "par")], "env": env, "cwd": folder},
+        timeout=200)
+    assert plain.returncode == 0, plain.stdout
+    assert par.returncode == 0, par.stdout
+    return folder, par.stdout
 
 
 def pair(folder, mode):

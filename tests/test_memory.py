@@ -185,7 +185,8 @@ def test_a_fast_device_with_little_memory_gets_what_fits_and_an_out_of_memory_st
     measurement was short): no rank hangs or applies the step, CPU:0's cap is lowered, the same global batch is
     cut again and taken again within seconds; the weights equal one device's."""
     out = tmp_path / "out.json"
-    result = runner.script("memory_caps.py", "cpu:0/64MiB,cpu:1@0.5", "auto", str(out), "--batch", "512",
+    devices = "cpu:0/64MiB,cpu:1@0.5"
+    result = runner.ranks(devices, "memory_caps.py", devices, "auto", str(out), "--batch", "512",
                            timeout=240, extra_env={"MULTIGPU_FAULT": "0:forward/oom:40"})
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"multigpu: CPU:0 holds at most \d+ rows \(.* a row of .* left\): shares", result.stdout), \
@@ -214,7 +215,8 @@ def test_tensorflow_and_jax_cap_a_device_by_its_measured_memory_and_take_an_out_
     failed``) is an out-of-memory step. An out-of-memory error injected in rank 0's Nth step, and any real one,
     is taken again within seconds; the weights equal one device's."""
     out = tmp_path / "out.json"
-    result = runner.script("memory_caps.py", f"cpu:0/{size},cpu:1@0.5", "auto", str(out), "--batch", str(batch),
+    devices = f"cpu:0/{size},cpu:1@0.5"
+    result = runner.ranks(devices, "memory_caps.py", devices, "auto", str(out), "--batch", str(batch),
                            timeout=300, extra_env={"MULTIGPU_FAULT": fault, "KERAS_BACKEND": backend})
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"multigpu: CPU:0 holds at most \d+ rows \(.* a row of \d+MiB left\): shares", result.stdout), \
@@ -238,7 +240,8 @@ def test_a_convnet_on_a_device_with_little_memory_at_batch_b_then_2b_equals_one_
     JAX 38% measured), less than CPU:0's speed share; an out-of-memory error injected in rank 0's 10th step
     (the second fit's) is taken again; the weights equal one device's."""
     out = tmp_path / "out.json"
-    result = runner.script("memory_caps.py", f"cpu:0/{size},cpu:1@0.5", "auto", str(out), "--batch", "256",
+    devices = f"cpu:0/{size},cpu:1@0.5"
+    result = runner.ranks(devices, "memory_caps.py", devices, "auto", str(out), "--batch", "256",
                            "--model", "convnet", timeout=300,
                            extra_env={"MULTIGPU_FAULT": "0:forward/oom:10", "KERAS_BACKEND": backend})
     assert result.returncode == 0, result.stdout[-3000:]
@@ -257,7 +260,8 @@ def test_a_train_step_of_the_models_own_that_runs_out_of_memory_is_taken_again(r
     carries every rank's memory word, so no rank applies it; CPU:0's cap is lowered, the same global batch cut
     again and the step taken again within seconds; the weights equal one device's."""
     out = tmp_path / "out.json"
-    result = runner.script("custom_oom.py", "cpu:0/1GiB,cpu:1", str(out), timeout=240,
+    devices = "cpu:0/1GiB,cpu:1"
+    result = runner.ranks(devices, "custom_oom.py", devices, str(out), timeout=240,
                            extra_env={"MULTIGPU_FAULT": "0:forward/oom:5", "KERAS_BACKEND": backend})
     assert result.returncode == 0, result.stdout[-3000:]
     found = re.findall(r"out of memory on CPU:0 at (\d+) rows: CPU:0 holds at most (\d+) rows; the step again "
@@ -270,7 +274,8 @@ def test_a_train_step_of_the_models_own_that_runs_out_of_memory_is_taken_again(r
 
 
 def test_fixed_ratios_a_device_cannot_hold_end_the_run_naming_the_share_that_fits(runner, tmp_path):
-    result = runner.script("memory_caps.py", "cpu:0/48MiB,cpu:1", "9:1", str(tmp_path / "out.json"),
+    devices = "cpu:0/48MiB,cpu:1"
+    result = runner.ranks(devices, "memory_caps.py", devices, "9:1", str(tmp_path / "out.json"),
                            "--batch", "1024", timeout=240)
     assert result.returncode != 0
     assert re.search(r"CPU:0 \(48MiB given\) ran out of memory with \d+ rows of a global batch of 1024, its part "
@@ -280,7 +285,8 @@ def test_fixed_ratios_a_device_cannot_hold_end_the_run_naming_the_share_that_fit
 
 
 def test_a_global_batch_no_device_set_can_hold_ends_the_run_naming_the_caps(runner, tmp_path):
-    result = runner.script("memory_caps.py", "cpu:0/24MiB,cpu:1/24MiB", "auto", str(tmp_path / "out.json"),
+    devices = "cpu:0/24MiB,cpu:1/24MiB"
+    result = runner.ranks(devices, "memory_caps.py", devices, "auto", str(tmp_path / "out.json"),
                            "--batch", "2048", timeout=240)
     assert result.returncode != 0
     assert "cannot hold a global batch of 2048 rows together (CPU:0 at most" in result.stdout, result.stdout[-3000:]

@@ -135,8 +135,8 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
     extra = {"MULTIGPU_TRANSPORT": transport, "KERAS_BACKEND": backend}
     # the parallel run first: the plain checkpoint run then loads its file
     shard = "gradients" if backend == "torch" else "optimizer"
-    _run([sys.executable, str(SCRIPTS / "sharded.py"), modes, str(tmp_path / "par"), "--devices", devices,
-          "--ratios", ratios, "--shard", shard], tmp_path, extra=extra)
+    _run([sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / "sharded.py"), modes,
+          str(tmp_path / "par"), "--devices", devices, "--ratios", ratios, "--shard", shard], tmp_path, extra=extra)
     if "checkpoint" in modes:
         _run([sys.executable, str(SCRIPTS / "sharded.py"), "checkpoint", str(tmp_path / "plain"), "--plain"],
              tmp_path, extra=extra)

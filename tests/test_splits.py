@@ -39,18 +39,25 @@ def _run(runner, args, backend, extra=None, timeout=540) -> None:
     assert res.returncode == 0, res.stdout[-3000:]
 
 
+def _parallel_args(splits, rows, epochs, out) -> list[str]:
+    return [sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "splits.py"), str(out),
+            "--splits", *splits, "--rows", str(rows), "--epochs", str(epochs)]
+
+
+def _plain_args(name, rows, epochs) -> list[str]:
+    return [sys.executable, str(SCRIPTS / "splits.py"), f"{name}.json", "--plain", "--rows", str(rows), "--epochs",
+            str(epochs)]
+
+
 def _parallel(runner, backend, splits, rows, epochs) -> dict:
     out = runner.tmp_path / f"{backend}.json"
-    _run(runner, [sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "splits.py"),
-                  str(out), "--splits", *splits, "--rows", str(rows), "--epochs", str(epochs)], backend)
+    _run(runner, _parallel_args(splits, rows, epochs, out), backend)
     return json.loads(out.read_text())
 
 
 def _plain(runner, backend, name, rows, epochs, extra=None) -> dict:
-    out = runner.tmp_path / f"{name}.json"
-    _run(runner, [sys.executable, str(SCRIPTS / "splits.py"), str(out), "--plain", "--rows", str(rows), "--epochs",
-                  str(epochs)], backend, extra)
-    return json.loads(out.read_text())["plain"]
+    _run(runner, _plain_args(name, rows, epochs), backend, extra)
+    return json.loads((runner.tmp_path / f"{name}.json").read_text())["plain"]
 
 
 def _difference(a, b) -> float:
@@ -60,10 +67,17 @@ def _difference(a, b) -> float:
 
 
 def test_uneven_splits_on_tensorflow_take_one_devices_step_at_every_step(runner, tmp_path):
-    reference = _plain(runner, "tensorflow", "plain", 3840, 3)
-    _plain(runner, "tensorflow", "eigen", 3840, 3, {"TF_ENABLE_ONEDNN_OPTS": "0"})
+    # one device's two runs and the two devices' at once: independent processes
+    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = runner.together((_plain_args("plain", 3840, 3), env),
+                           (_plain_args("eigen", 3840, 3), {**env, "TF_ENABLE_ONEDNN_OPTS": "0"}),
+                           (_parallel_args(ISSUE_SPLITS, 3840, 3, runner.tmp_path / "tensorflow.json"), env),
+                           timeout=540)
+    for res in done:
+        assert res.returncode == 0, res.stdout[-3000:]
+    reference = json.loads((tmp_path / "plain.json").read_text())["plain"]
     spread = _difference(tmp_path / "plain.json.plain.epoch3.npz", tmp_path / "eigen.json.plain.epoch3.npz")
-    results = _parallel(runner, "tensorflow", ISSUE_SPLITS, 3840, 3)
+    results = json.loads((tmp_path / "tensorflow.json").read_text())
     assert sorted(results) == sorted(ISSUE_SPLITS)
     ends = []
     for split, got in results.items():

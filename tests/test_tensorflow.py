@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("tensorflow", reason="the TensorFlow backend's tests need TensorFlow (make test installs it)")
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, run_together
 from tests.test_exactness import load as load_exactness
 from tests.test_exactness import max_relative_error
 from tests.test_keras import (  # noqa: F401  (test_keras's tests, run again on this module's `runs`)
@@ -47,20 +47,33 @@ def _run(args, cwd, timeout=240):
     return res.stdout + res.stderr
 
 
+def _together(*commands, cwd, timeout=240) -> list[str]:
+    """:func:`_run` of each command at once (``tests.conftest.run_together``): their outputs."""
+    done = run_together(*({"args": args, "env": {**os.environ, **ENV}, "cwd": cwd} for args in commands),
+                        timeout=timeout)
+    for res in done:
+        assert res.returncode == 0, res.stdout[-3000:]
+    return [res.stdout for res in done]
+
+
+def _parallel_args(script, *args, devices="cpu:0,cpu:1") -> list[str]:
+    return [sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / script), *args]
+
+
 def _parallel(script, *args, cwd, devices="cpu:0,cpu:1"):
-    return _run([sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / script), *args], cwd)
+    return _run(_parallel_args(script, *args, devices=devices), cwd)
 
 
 @pytest.mark.parametrize(("ratios", "optimizer"), [("3,1", "sgd"), ("1,2,5", "adam")])
 def test_mixed_model_matches_one_device(tmp_path, ratios, optimizer):
     """Dense, Conv2D, GRU, Embedding (sparse gradients) and L2 on 193 rows at batch 64: the last step has
     one row, so at 3:1 one rank and at 1:2:5 two ranks have none."""
-    _run([sys.executable, str(SCRIPTS / "exactness.py"), str(tmp_path / "plain.npz"), "--plain", "--rows", "193",
-          "--optimizers", optimizer], tmp_path)
     n = len(ratios.split(","))
-    _run([sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios",
-          ratios, str(SCRIPTS / "exactness.py"), str(tmp_path / "par.npz"), "--rows", "193", "--optimizers",
-          optimizer], tmp_path)
+    _together([sys.executable, str(SCRIPTS / "exactness.py"), str(tmp_path / "plain.npz"), "--plain", "--rows", "193",
+               "--optimizers", optimizer],
+              [sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)),
+               "--ratios", ratios, str(SCRIPTS / "exactness.py"), str(tmp_path / "par.npz"), "--rows", "193",
+               "--optimizers", optimizer], cwd=tmp_path)
     tolerance = {"sgd": 1e-5, "adam": 1e-4}[optimizer]
     (ref, ref_history), (got, history) = (load_exactness(tmp_path / f, (optimizer,))[optimizer]
                                           for f in ("plain.npz", "par.npz"))
@@ -78,16 +91,16 @@ def runs(tmp_path_factory):
     output's loss by a batch size it may not know, and so misstates per-output losses on ragged batches) and
     one 2-device run (3:1) of every feature."""
     folder = tmp_path_factory.mktemp("tf-features")
-    _run([sys.executable, str(SCRIPTS / "keras_features.py"), COMPARED, str(folder / "plain"), "--plain",
-          "--eager"], folder)
-    return folder, _parallel("keras_features.py", "all", str(folder / "par"), cwd=folder)
+    _, par = _together([sys.executable, str(SCRIPTS / "keras_features.py"), COMPARED, str(folder / "plain"), "--plain",
+                        "--eager"], _parallel_args("keras_features.py", "all", str(folder / "par")), cwd=folder)
+    return folder, par
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tf-steps")
-    _run([sys.executable, str(SCRIPTS / "tensorflow_steps.py"), "all", str(folder / "plain"), "--plain"], folder)
-    _parallel("tensorflow_steps.py", "all", str(folder / "par"), cwd=folder)
+    _together([sys.executable, str(SCRIPTS / "tensorflow_steps.py"), "all", str(folder / "plain"), "--plain"],
+              _parallel_args("tensorflow_steps.py", "all", str(folder / "par")), cwd=folder)
 
     def pair(mode):
         return (load(folder / f"plain-{mode}.npz"), load(folder / f"par-{mode}.npz"),
