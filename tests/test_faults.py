@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, run_together
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -28,13 +28,21 @@ _RUN = [sys.executable, "-m", "multigpu", "run", "--devices"]  # then the device
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-    import subprocess
+def references(tmp_path_factory) -> dict:
+    """One device's run on torch and on TensorFlow, at once."""
+    folder = tmp_path_factory.mktemp("plain")
+    done = run_together(*({"args": [sys.executable, str(SCRIPTS / "faults.py"), str(folder / f"{backend}.npz"),
+                                    "--plain"],
+                           "env": {**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": backend}}
+                          for backend in ("torch", "tensorflow")), timeout=180)
+    for res in done:
+        assert res.returncode == 0, res.stdout[-3000:]
+    return {backend: dict(np.load(folder / f"{backend}.npz")) for backend in ("torch", "tensorflow")}
 
-    out = tmp_path_factory.mktemp("plain") / "plain.npz"
-    subprocess.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), "--plain"], check=True, timeout=120,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
-    return dict(np.load(out))
+
+@pytest.fixture(scope="module")
+def one_device(references):
+    return references["torch"]
 
 
 def _shm() -> set[str]:
@@ -92,13 +100,8 @@ def _survivors_finished(runner, res, out, want: dict, faults: str, lost: list[in
 
 
 @pytest.fixture(scope="module")
-def one_device_tf(tmp_path_factory):
-    import subprocess
-
-    out = tmp_path_factory.mktemp("plain-tf") / "plain.npz"
-    subprocess.run([sys.executable, str(SCRIPTS / "faults.py"), str(out), "--plain"], check=True, timeout=180,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "KERAS_BACKEND": "tensorflow"}, capture_output=True)
-    return dict(np.load(out))
+def one_device_tf(references):
+    return references["tensorflow"]
 
 
 @pytest.mark.parametrize(("faults", "transport", "lost", "min_devices"), [

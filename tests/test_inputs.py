@@ -46,15 +46,24 @@ def plain_run(script: str, backend: str, folder, timeout: float, extra_env: dict
     return load(folder / "plain.npz")
 
 
-def assert_reproduces(runner, script: str, backend: str, plain: dict, ratios: str, kinds, timeout: float,
+def assert_reproduces(runner, script: str, backend: str, plain: dict | None, ratios: str, kinds, timeout: float,
                       extra_env: dict | None = None) -> None:
-    """``scripts/<script>`` on CPU devices at ``ratios`` equals the one-device run ``plain`` (weights and History
-    of every kind, evaluation, predictions) to 1e-5, every rank ends alike, and nothing is left behind."""
+    """``scripts/<script>`` on CPU devices at ``ratios`` equals the one-device run ``plain`` (None: run beside it;
+    weights and History of every kind, evaluation, predictions) to 1e-5, every rank ends alike, and nothing is
+    left behind."""
     n = len(ratios.split(","))
     out = runner.tmp_path / "par.npz"
-    res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
-                     str(SCRIPTS / script), str(out), extra_env={**BACKENDS[backend], **(extra_env or {})},
-                     timeout=timeout)
+    run = [sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios",
+           ratios, str(SCRIPTS / script), str(out)]
+    env = {**BACKENDS[backend], **(extra_env or {})}
+    if plain is None:  # the one-device run beside this one, at once
+        reference = runner.tmp_path / "plain.npz"
+        one, res = runner.together(([sys.executable, str(SCRIPTS / script), str(reference), "--plain"], env),
+                                   (run, env), timeout=timeout)
+        assert one.returncode == 0, one.stdout
+        plain = load(reference)
+    else:
+        res = runner.run(run, timeout, env)
     assert res.returncode == 0, res.stdout
     got = load(out)
     for kind in kinds:
@@ -131,12 +140,14 @@ def test_pandas_jax_and_tensorflow_arrays_reproduce_one_device_on_numpy(runner, 
     for module in ("pandas", "jax", "tensorflow"):
         pytest.importorskip(module, reason="make test installs pandas, jax and tensorflow-cpu")
     monkeypatch.setitem(BACKENDS, "tensorflow", ARRAY_BACKENDS["tensorflow"])
-    plain = plain_run("array_forms.py", backend, runner.tmp_path, 120)
     out = runner.tmp_path / "par.npz"
-    res = runner.cli("run", "--devices", "cpu:0", "cpu:1", "--ratios", "3,1", str(SCRIPTS / "array_forms.py"),
-                     str(out), timeout=150, extra_env=ARRAY_BACKENDS[backend])
-    assert res.returncode == 0, res.stdout
-    got = load(out)
+    script = str(SCRIPTS / "array_forms.py")
+    for res in runner.together(  # one device and two at once
+            ([sys.executable, script, str(runner.tmp_path / "plain.npz"), "--plain"], ARRAY_BACKENDS[backend]),
+            ([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0", "cpu:1", "--ratios", "3,1", script,
+              str(out)], ARRAY_BACKENDS[backend]), timeout=150):
+        assert res.returncode == 0, res.stdout
+    plain, got = load(runner.tmp_path / "plain.npz"), load(out)
     assert rel(plain["weights"], got["weights"]) < 1e-5
     for key, values in plain["history"].items():
         np.testing.assert_allclose(got["history"][key], values, rtol=1e-5, err_msg=key)

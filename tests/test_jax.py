@@ -141,9 +141,12 @@ def test_a_custom_jax_train_step_matches_one_device(runner, batchnorm):
     with batches of one row, rank 1 has no rows in any step, the first included (it runs the steps on a
     stand-in row of zeros with weight 0)."""
     folder = runner.tmp_path
-    _plain("custom_jax.py", str(folder / "plain.npz"), "--plain", *batchnorm, cwd=folder)
-    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "custom_jax.py"),
-                     str(folder / "par.npz"), *batchnorm, extra_env=ON_JAX)
+    script = str(SCRIPTS / "custom_jax.py")
+    one, res = runner.together(  # one device and two at once
+        ([sys.executable, script, str(folder / "plain.npz"), "--plain", *batchnorm], ON_JAX),
+        ([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", script,
+          str(folder / "par.npz"), *batchnorm], ON_JAX), timeout=150)
+    assert one.returncode == 0, one.stdout
     assert res.returncode == 0, res.stdout
     plain, par = np.load(folder / "plain.npz"), np.load(folder / "par.npz")
     other = np.load(folder / "par.npz.rank1.npz")

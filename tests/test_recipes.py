@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "training_recipes.py"
 
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
 
 def _weights(path: Path) -> list[np.ndarray]:
     found: list[np.ndarray] = []
@@ -39,11 +41,15 @@ def _difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(x)), 1e-12)) for x, y in zip(a, b))
 
 
-def _run(runner, devices: str, out: str, *args: str) -> str:
+def _command(devices: str, out: str, *args: str) -> list[str]:
     command = [sys.executable, str(EXAMPLE), "--quick", "--devices", devices, "--out", out, *args]
     if "," in devices:
         command = [sys.executable, "-m", "multigpu", "run", "--devices", devices, "--ratios", "3,1", *command[1:]]
-    res = runner.run(command, timeout=240, extra_env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    return command
+
+
+def _run(runner, devices: str, out: str, *args: str) -> str:
+    res = runner.run(_command(devices, out, *args), timeout=240, extra_env=QUIET)
     assert res.returncode == 0, res.stdout[-3000:]
     return res.stdout
 
@@ -63,8 +69,12 @@ def _epoch_losses(folder: Path) -> list[float]:
 
 def test_gradient_accumulation_and_tensorboard_from_rank_0_equal_one_device(runner):
     pytest.importorskip("tensorboard", reason="Keras's TensorBoard callback needs tensorboard (make test installs it)")
-    one = _run(runner, "cpu:0", "one.weights.h5", "--accumulate", "4", "--tensorboard", "one")
-    two = _run(runner, "cpu:0,cpu:1", "two.weights.h5", "--accumulate", "4", "--tensorboard", "two")
+    done = runner.together((_command("cpu:0", "one.weights.h5", "--accumulate", "4", "--tensorboard", "one"), QUIET),
+                           (_command("cpu:0,cpu:1", "two.weights.h5", "--accumulate", "4", "--tensorboard", "two"),
+                            QUIET), timeout=240)  # one device and two at once
+    for res in done:
+        assert res.returncode == 0, res.stdout[-3000:]
+    one, two = (res.stdout for res in done)
     assert "accumulating 4 step(s)" in one and two.count("final loss") == 1, two[-3000:]
     weights = [_weights(runner.tmp_path / f"{name}.weights.h5") for name in ("one", "two")]
     assert _difference(*weights) <= 1e-5
