@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-from tests.conftest import SCRIPTS
-
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -77,7 +75,7 @@ def test_inputs_and_targets_of_different_lengths_fail_on_every_rank(runner):
     )
     script = runner.tmp_path / "lengths.py"
     script.write_text(code)
-    res = runner.run([sys.executable, str(script)], timeout=90)
+    res = runner.cli("run", "--devices", "cpu:0,cpu:1", str(script), timeout=90)
     assert res.returncode != 0
     for r in (0, 1):
         assert f"rank {r}: All inputs, targets and sample weights must have the same number of rows" in res.stdout
@@ -131,7 +129,7 @@ def test_unparallelize_gives_back_a_plain_keras_model_and_no_class_is_changed(ru
     attribute (checked by identity), ``keras.saving`` is Keras's own, no Keras class changed at any point, and the
     model trains on each process alone (the same start, the same rows: the same weights on both ranks)."""
     out = runner.tmp_path / "plain"
-    res = runner.run([sys.executable, str(SCRIPTS / "unparallelize.py"), str(out)], timeout=150)
+    res = runner.ranks("cpu:0,cpu:1", "unparallelize.py", str(out), timeout=150)
     assert res.returncode == 0, res.stdout
     found = [json.loads((runner.tmp_path / f"plain.rank{r}.json").read_text()) for r in range(2)]
     for f in found:
