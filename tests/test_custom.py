@@ -2,8 +2,6 @@
 frozen models and callback counts: N devices against one plain process (tests/scripts/custom.py)."""
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -37,27 +35,20 @@ def close(a, b, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(1.0, abs(a))
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plain") / "plain.npz"
-    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    res = subprocess.run([sys.executable, str(SCRIPTS / "custom.py"), str(out), "--plain"],
-                         capture_output=True, check=False, text=True, timeout=180, env=env)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return load(out)
-
-
 @pytest.mark.parametrize(("devices", "ratios", "transport"),
                          [("cpu:0,cpu:1", "3,1", "gloo"), ("cpu:0,cpu:1,cpu:2", "1,2,5", "shm")])
-def test_custom_steps_match_one_device(runner, plain, devices, ratios, transport):
+def test_custom_steps_match_one_device(runner, devices, ratios, transport):
     """Over gloo with overlap asked for (off by default for CPU ranks of one machine), the gradient sums start
-    during the backward pass: every custom step stays exact with them."""
-    out = runner.tmp_path / "par.npz"
-    res = runner.cli("run", "--devices", devices, "--ratios", ratios, str(SCRIPTS / "custom.py"), str(out),
-                     "--devices", devices, "--ratios", ratios, timeout=200, extra_env={"MULTIGPU_TRANSPORT": transport,
-                                             "MULTIGPU_OVERLAP": "1" if transport == "gloo" else ""})
+    during the backward pass: every custom step stays exact with them.  One device's run goes beside it."""
+    out, reference = runner.tmp_path / "par.npz", runner.tmp_path / "plain.npz"
+    one, res = runner.together(
+        ([sys.executable, str(SCRIPTS / "custom.py"), str(reference), "--plain"], None),
+        ([sys.executable, "-m", "multigpu", "run", "--devices", devices, "--ratios", ratios, str(SCRIPTS / "custom.py"),
+          str(out), "--devices", devices, "--ratios", ratios],
+         {"MULTIGPU_TRANSPORT": transport, "MULTIGPU_OVERLAP": "1" if transport == "gloo" else ""}), timeout=200)
+    assert one.returncode == 0, one.stdout[-4000:]
     assert res.returncode == 0, res.stdout[-4000:]
-    got = load(out)
+    plain, got = load(reference), load(out)
     others = [load(f"{out}.rank{r}.npz") for r in range(1, len(devices.split(",")))]
     assert set(got) == set(MODES)
     for mode in MODES:

@@ -28,8 +28,7 @@ def test_rate_parsing_says_what_it_accepts():
 def test_two_hosts_over_a_shaped_link_match_one_device(runner):
     rows = ["--rows", "100", "--optimizers", "sgd", "--epochs", "2"]
     ref = runner.tmp_path / "plain.npz"
-    res = runner.script("exactness.py", str(ref), "--plain", *rows)
-    assert res.returncode == 0, res.stdout
+    reference = runner.start([sys.executable, str(SCRIPTS / "exactness.py"), str(ref), "--plain", *rows])  # meanwhile
     out = runner.tmp_path / "par.npz"
     args = [sys.executable, str(SCRIPTS / "exactness.py"), str(out), "--devices", "cpu:0,cpu:1", "--ratios", "3,1",
             *rows]
@@ -41,6 +40,8 @@ def test_two_hosts_over_a_shaped_link_match_one_device(runner):
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert link.hosts[0] in names and link.hosts[1] in names
     assert all(d.returncode == 0 for d in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
+    res = runner.finish(reference, timeout=120)
+    assert res.returncode == 0, res.stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert link.hosts[0] not in names and link.hosts[1] not in names  # cleaned up
     (ref_w, ref_h), (w, h) = load(ref, ("sgd",))["sgd"], load(out, ("sgd",))["sgd"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from multigpu.planning.partition import memory_weights, owners, parts
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, run_together
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
@@ -97,21 +97,36 @@ def rel(a, b) -> float:
 PLAIN_MODES = "default,features,custom,gan"
 
 
+class _PlainRuns:
+    """One plain process's results of every mode but the checkpoint (which reads the parallel run's file), per
+    backend: run beside the first parallel run of the backend, or alone where asked for before."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.folders: dict = {}
+
+    def pending(self, backend: str):
+        """``(command, folder)`` of the backend's plain run not run yet, or None."""
+        if backend in self.folders:
+            return None
+        folder = self.factory.mktemp(f"sharded-plain-{backend}")
+        modes = PLAIN_MODES.replace(",gan", "") if backend == "jax" else PLAIN_MODES
+        return [sys.executable, str(SCRIPTS / "sharded.py"), modes, str(folder / "plain"), "--plain"], folder
+
+    def ran(self, backend: str, folder) -> None:
+        self.folders[backend] = folder
+
+    def __call__(self, backend: str):
+        if backend not in self.folders:
+            command, folder = self.pending(backend)
+            _run(command, folder, extra={"KERAS_BACKEND": backend})
+            self.ran(backend, folder)
+        return self.folders[backend]
+
+
 @pytest.fixture(scope="module")
 def plain_folder(tmp_path_factory):
-    """One plain process's results of every mode but the checkpoint (which reads the parallel run's file), per
-    backend."""
-    folders = {}
-
-    def folder(backend):
-        if backend not in folders:
-            folders[backend] = tmp_path_factory.mktemp(f"sharded-plain-{backend}")
-            plain_modes = PLAIN_MODES.replace(",gan", "") if backend == "jax" else PLAIN_MODES
-            _run([sys.executable, str(SCRIPTS / "sharded.py"), plain_modes, str(folders[backend] / "plain"),
-                  "--plain"], folders[backend], extra={"KERAS_BACKEND": backend})
-        return folders[backend]
-
-    return folder
+    return _PlainRuns(tmp_path_factory)
 
 
 @pytest.mark.multiprocess
@@ -135,8 +150,16 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
     extra = {"MULTIGPU_TRANSPORT": transport, "KERAS_BACKEND": backend}
     # the parallel run first: the plain checkpoint run then loads its file
     shard = "gradients" if backend == "torch" else "optimizer"
-    _run([sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / "sharded.py"), modes,
-          str(tmp_path / "par"), "--devices", devices, "--ratios", ratios, "--shard", shard], tmp_path, extra=extra)
+    parallel = [sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / "sharded.py"), modes,
+                str(tmp_path / "par"), "--devices", devices, "--ratios", ratios, "--shard", shard]
+    pending = plain_folder.pending(backend)  # one device's run of the modes beside it, the first time
+    env = {**os.environ, **ENV, **extra}
+    done = run_together({"args": parallel, "env": env, "cwd": tmp_path},
+                        *([{"args": pending[0], "env": env, "cwd": pending[1]}] if pending else []), timeout=240)
+    for res in done:
+        assert res.returncode == 0, res.stdout[-3000:]
+    if pending:
+        plain_folder.ran(backend, pending[1])
     if "checkpoint" in modes:
         _run([sys.executable, str(SCRIPTS / "sharded.py"), "checkpoint", str(tmp_path / "plain"), "--plain"],
              tmp_path, extra=extra)
