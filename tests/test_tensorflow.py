@@ -184,9 +184,9 @@ def test_a_model_built_by_fit_trains_as_on_one_device(runner):
     """A Sequential without an Input is built by the first batch: every variable must be in the step (Keras's
     own SwapEMAWeights and constraint tests found a model whose variables came too late to be trained)."""
     args = [str(SCRIPTS / "tiny.py"), "--unbuilt", "--rows", "64", "--batch", "16", "--epochs", "2"]
-    one = runner.run([sys.executable, *args, "--devices", "cpu:0", "--out", "one"], timeout=120, extra_env=ON_TF)
+    one, two = runner.together(([sys.executable, *args, "--devices", "cpu:0", "--out", "one"], ON_TF),
+                               ([*RUN, *args, "--ratios", "3,1", "--out", "two"], ON_TF), timeout=120)
     assert one.returncode == 0, one.stdout
-    two = runner.run([*RUN, *args, "--ratios", "3,1", "--out", "two"], timeout=120, extra_env=ON_TF)
     assert two.returncode == 0, two.stdout
     ref, got = read(runner, "one", 0), read(runner, "two", 0)
     assert got["world_size"] == 2

@@ -225,6 +225,30 @@ def _tensorflow_threads(cfg: dict) -> None:
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in cfg["devices"]])
 
 
+class _NoTensorFlow:
+    available = False
+
+
+def _seed(seed: int) -> None:
+    """``keras.utils.set_random_seed`` as it runs where TensorFlow is not installed, unless TensorFlow is imported
+    (its backend): Keras's own imports TensorFlow wherever it is installed, to seed ``tf.data``, which no run
+    here reads (2 s of a worker's start on torch and JAX, and TensorFlow's start-up lines)."""
+    import keras
+
+    try:
+        from keras.src.utils import rng_utils
+    except ImportError:  # a Keras that moved it: its own function
+        rng_utils = None
+    if rng_utils is None or not hasattr(rng_utils, "tf") or "tensorflow" in sys.modules:
+        keras.utils.set_random_seed(seed)
+        return
+    kept, rng_utils.tf = rng_utils.tf, _NoTensorFlow()
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        rng_utils.tf = kept
+
+
 def main(path: str) -> None:
     """Runs the configuration in ``path``."""
     env.set_default("KERAS_BACKEND", "torch")
@@ -234,11 +258,10 @@ def main(path: str) -> None:
                               f" --xla_force_host_platform_device_count={len(cfg['devices'])}").strip())
     if env.get("KERAS_BACKEND") == "tensorflow" and cfg["mode"] in ("single", "tf-mirrored"):
         _tensorflow_threads(cfg)
-    import keras
 
     from multigpu.bench.models import get_model
 
-    keras.utils.set_random_seed(int(cfg.get("seed", 0)))
+    _seed(int(cfg.get("seed", 0)))
     spec = get_model(cfg["model"])
     runs = {"calibrate": _calibrate_run, **_baselines(cfg)}
     runs.get(cfg["mode"], _fit_run)(cfg, spec)
