@@ -196,10 +196,10 @@ def test_a_programs_logging_configuration_receives_multigpus_messages(runner):
         "model = multigpu.parallelize(model, devices=['cpu:0', 'cpu:1'])\n"
         "model.compile('sgd', 'mse')\n"
         "model.fit(np.ones((32, 3), 'float32'), np.ones((32, 1), 'float32'), batch_size=16, verbose=0)\n")
+    run = [sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1", str(script)]
     configured, plain = runner.together(  # at once, each with a profile of its own
-        ([sys.executable, str(script), "configured"], {"MULTIGPU_PROFILE": str(runner.tmp_path / "configured.json")}),
-        ([sys.executable, str(script), "plain"], {"MULTIGPU_PROFILE": str(runner.tmp_path / "plain.json")}),
-        timeout=150)
+        ([*run, "configured"], {"MULTIGPU_PROFILE": str(runner.tmp_path / "configured.json")}),
+        ([*run, "plain"], {"MULTIGPU_PROFILE": str(runner.tmp_path / "plain.json")}), timeout=150)
     assert configured.returncode == 0 and plain.returncode == 0, configured.stdout[-2000:] + plain.stdout[-2000:]
     line = "2 devices (CPU:0, CPU:1), shares 50%/50% (8 + 8 rows of each batch of 16)"
     assert configured.stdout.count(f"USER multigpu {line}") == 1, configured.stdout[-2000:]

@@ -32,7 +32,7 @@ import keras
 import multigpu
 
 def build():
-    keras.utils.set_random_seed(2)
+    {seed}
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                              keras.layers.Dense(3, activation="softmax")])
 
@@ -147,7 +147,10 @@ def main() -> int:
     os.environ["KERAS_BACKEND"] = a.backend
     kw = {"kernel_name": "python3", "timeout": 240, "allow_errors": True, "resources": {"metadata": {
         "path": str(Path(a.out).resolve().parent)}}}
-    setup = SETUP.format(backend=a.backend)
+    # seeded where a result is compared with one device's (Keras's set_random_seed imports TensorFlow wherever it
+    # is installed: 2 s of every process that calls it); a rank's error needs no seed
+    seed = "pass" if a.mode == "fail" else "keras.utils.set_random_seed(2)"
+    setup = SETUP.format(backend=a.backend, seed=seed)
     if a.mode == "exact":
         nb = notebook(setup, ONE_DEVICE, LAUNCH)
         result = run_cells(nb, NotebookClient(nb, **kw))
