@@ -227,7 +227,10 @@ def run_together(*commands: dict, timeout: float) -> list[subprocess.CompletedPr
                     os.killpg(other.pid, signal.SIGKILL)
                     other.wait()
             out.seek(0)
-            pytest.fail(f"timed out after {timeout}s: {proc.args}\n{out.read()[-3000:]}")
+            text = out.read()[-3000:]
+            for _, other_out in started:
+                other_out.close()
+            pytest.fail(f"timed out after {timeout}s: {proc.args}\n{text}")
         out.seek(0)
         done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), ""))
         out.close()

@@ -229,10 +229,11 @@ class _NoTensorFlow:
     available = False
 
 
-def _seed(seed: int) -> None:
+def set_random_seed(seed: int) -> None:
     """``keras.utils.set_random_seed`` as it runs where TensorFlow is not installed, unless TensorFlow is imported
     (its backend): Keras's own imports TensorFlow wherever it is installed, to seed ``tf.data``, which no run
-    here reads (2 s of a worker's start on torch and JAX, and TensorFlow's start-up lines)."""
+    here reads (2 s of a worker's start on torch and JAX, and TensorFlow's start-up lines; the test scripts seed
+    with it too, ``tests/scripts/seeding.py``)."""
     import keras
 
     try:
@@ -261,7 +262,7 @@ def main(path: str) -> None:
 
     from multigpu.bench.models import get_model
 
-    _seed(int(cfg.get("seed", 0)))
+    set_random_seed(int(cfg.get("seed", 0)))
     spec = get_model(cfg["model"])
     runs = {"calibrate": _calibrate_run, **_baselines(cfg)}
     runs.get(cfg["mode"], _fit_run)(cfg, spec)
