@@ -5,6 +5,7 @@
 * :func:`optimizers_of`: the optimizers a model's steps may call (``model.optimizer`` and any other
   optimizer attribute, as a GAN has);
 * :func:`build_optimizer`: builds an optimizer on the variables of its first update, as its ``apply`` would;
+* :func:`optimizer_slots`: how many values an optimizer keeps per weight (Adam: 2);
 * :func:`batchnorm_layers`: every ``BatchNormalization`` layer, nested ones included;
 * :func:`batchnorm_statistics`: their moving statistics, once each;
 * :func:`use_global_batchnorm`: every such layer trains with statistics a backend computes over ranks;
@@ -17,10 +18,12 @@ import warnings
 from collections.abc import Callable
 
 import keras
+import numpy as np
 
 from multigpu._keras import compat as _compat
 
-__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "build_optimizer", "optimizers_of",
+__all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "build_optimizer", "optimizer_slots",
+           "optimizers_of",
            "own_method", "results_with_states", "use_global_batchnorm"]
 
 
@@ -55,6 +58,21 @@ def build_optimizer(optimizer, variables) -> None:
     with keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(list(variables))
     optimizer.built = True
+
+
+def optimizer_slots(optimizer) -> float:
+    """How many values ``optimizer`` keeps per weight it updates (Adam: 2; SGD with momentum: 1; an EMA and
+    gradient accumulators count too; a ``LossScaleOptimizer``: its inner one's), read from a copy built on a
+    small matrix (its state variables of that matrix's shape are counted: a factored state, Adafactor's, counts
+    as less than one); 0 where the copy cannot be made (an optimizer that does not rebuild from its config)."""
+    shape = (31, 37)
+    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer  # a loss scale's own state is scalars
+    try:
+        copy = type(optimizer).from_config(optimizer.get_config())
+        copy.build([keras.Variable(np.zeros(shape, "float32"))])
+    except Exception:  # a custom optimizer whose config does not rebuild it: nothing counted (a lower bound)
+        return 0.0
+    return float(sum(1 for v in copy.variables if tuple(v.shape) == shape))
 
 
 def batchnorm_layers(model) -> list:

@@ -41,12 +41,21 @@ from collections.abc import Callable, Sequence
 import keras
 import numpy as np
 
-from multigpu import membership
+from multigpu import backend, membership
 from multigpu._keras import compat as _compat
-from multigpu._keras.model_parts import batchnorm_statistics, optimizers_of, own_method
+from multigpu._keras.model_parts import batchnorm_statistics, optimizer_slots, optimizers_of, own_method
 from multigpu.balancing.caps import is_out_of_memory
+from multigpu.planning.footprint import Footprint
+from multigpu.planning.partition import memory_weights, owners
 
 __all__ = ["SEED_STRIDE", "StepsCore", "time_alone"]
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+BROADCAST_BYTES = 16 << 20  # a broadcast of variables sends about this many bytes at a time
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * _ITEMSIZE.get(keras.backend.standardize_dtype(variable.dtype), 4)
 
 SEED_STRIDE = 1_000_003  # rank r's seed variables are offset by r times this: Dropout draws differ per rank
 
@@ -106,6 +115,7 @@ class StepsCore:
         self.shards = None  # the optimizers in parts (``shard_optimizer=True``), where the backend builds them
         self.memory = None  # the memory policy (balancing/caps.py's DeviceMemory), where the backend measures
         self._said_parts = False
+        self._checked_state = False  # whether fit checked that the devices hold the training state
 
     # ---------------------------------------------------------- the contract
     def methods(self) -> dict:
@@ -129,6 +139,36 @@ class StepsCore:
                                   ": each device holds and updates that of a part of the weights, by its memory"
                                   f"{', and writes its gradients into the sum as they are made' if gradients else ''}"
                                   " (shard_optimizer=False keeps a whole copy on each)")
+
+    def check_state(self, skip: bool = False) -> None:
+        """When ``fit`` starts, before the optimizers are built (a collective, once a model; ``skip``: a rank that
+        came back, whose others checked before it was lost): where a device's memory is known (a GPU, a CPU
+        device given a size), the run ends before its first step on every rank, with one error naming each
+        device's memory and the level of ``shard`` that fits, when a device cannot hold what the first step
+        adds to the training state (:meth:`multigpu.balancing.caps.DeviceMemory.check_state`)."""
+        devices = self.comm.runtime.devices
+        if (self._checked_state or self.memory is None or self.model.optimizer is None
+                or not any(d.memory is not None or d.is_cuda for d in devices)):
+            return
+        self._checked_state = True
+        if skip:
+            return
+        trainable = list(self.model.trainable_variables)
+        sizes = [int(np.prod(v.shape)) for v in trainable]
+        itemsizes = [_nbytes(v) // max(1, n) for v, n in zip(trainable, sizes)]
+        weights = self.shards.weights if self.shards is not None else memory_weights([d.memory for d in devices])
+        optimizer = self.model.optimizer
+        footprint = Footprint.of(sizes, itemsizes, optimizer_slots(optimizer), owners(sizes, weights) if sizes else [],
+                                 self.comm.world_size, optimizer.built)
+        options, facts = self.parallel.options, backend.facts()
+        level = "gradients" if options.shard_gradients else "optimizer" if options.shard_optimizer else "whole"
+        levels = ["whole"]
+        if facts.shard_optimizer and getattr(self.comm, "min_devices", None) is None:
+            levels.append("optimizer")
+            if (facts.shard_gradients and options.compression is None and not options.sync_batchnorm
+                    and not options.overlap):
+                levels.append("gradients")
+        self.memory.check_state(footprint, level, levels)
 
     def see_optimizers(self) -> None:
         """Takes in every optimizer of the model (once each): in parts, its update runs on the owned variables."""
@@ -166,11 +206,21 @@ class StepsCore:
 
     # ---------------------------------------------------------- backend hooks
     def _broadcast_variables(self, variables: Sequence, what: str, src: int | None = None) -> None:
-        """Rank ``src``'s values of ``variables`` (Keras variables) on every rank (by default the leader's)."""
-        arrays = [np.asarray(v) for v in variables]
-        sent = self.comm.broadcast(arrays, what=what) if src is None else self.comm.broadcast(arrays, src, what)
-        for v, value in zip(variables, sent):
-            v.assign(value)
+        """Rank ``src``'s values of ``variables`` (Keras variables) on every rank (by default the leader's), a
+        few at a time: the host copies it makes hold at most about :data:`BROADCAST_BYTES` beside a variable
+        larger than that (not a second copy of the weights)."""
+        variables = list(variables)
+        start = 0
+        while start < len(variables):
+            end, size = start, 0
+            while end < len(variables) and (end == start or size + _nbytes(variables[end]) <= BROADCAST_BYTES):
+                size += _nbytes(variables[end])
+                end += 1
+            arrays = [np.asarray(v) for v in variables[start:end]]
+            sent = self.comm.broadcast(arrays, what=what) if src is None else self.comm.broadcast(arrays, src, what)
+            for v, value in zip(variables[start:end], sent):
+                v.assign(value)
+            start = end
 
     def _offset_seeds(self, variables: Sequence, offset: int) -> None:
         """Adds ``offset`` to the first element of each seed variable."""

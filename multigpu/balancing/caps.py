@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -39,6 +40,7 @@ from multigpu import failure
 from multigpu.balancing.memory import RowMemory
 from multigpu.devices import format_size
 from multigpu.log import logger as log
+from multigpu.planning.footprint import SPELLING, Footprint
 from multigpu.throttle import give_back_memory, memory_limit, private_memory, reset_peak_memory, resident_memory
 
 __all__ = ["DeviceMemory", "KeptProcessMemory", "MemoryProbe", "OutOfMemoryStepError", "ProcessMemory",
@@ -189,6 +191,61 @@ class DeviceMemory:
         kept_text = f"{format_size(kept)} kept a row, " if kept else ""
         return (f"{kept_text}{format_size(int(fixed) // 1024 * 1024)} + {row} of {left} left" if fixed else
                 f"{kept_text}{row} of {left} left")
+
+    # ------------------------------------------------------------ before the first step
+    def left(self) -> int | None:
+        """Bytes this rank's device has left now, on the scale its limit counts (None where it is not known: a
+        CPU device given no size)."""
+        mine = self.comm.runtime.devices[self.comm.rank]
+        if not mine.is_cuda and mine.memory is not None:
+            limit = memory_limit()
+            return None if limit is None else limit - private_memory()
+        found = self.probe.start() if self.measured_here else None
+        return None if found is None else int(found[1])
+
+    def check_state(self, footprint: Footprint, level: str, levels: Sequence[str]) -> None:
+        """Before ``fit``'s first step (a collective: every rank): raises the same ``ValueError`` on every rank
+        when a device cannot hold what the first step adds to the training state at ``level`` (gradients,
+        optimizer state: :mod:`multigpu.planning.footprint`), naming each device's memory left and which of
+        ``levels`` (those this run may take) would fit."""
+        seen = self.comm.gather_objects(self.left(), "checking that the training state fits")
+
+        def short(at: str) -> list[int]:
+            return [r for r, left in enumerate(seen) if left is not None and footprint.adds(at, r) > left]
+
+        if not short(level):
+            return
+        devices = self.comm.runtime.devices
+
+        def mib(n: float) -> str:
+            return f"{n / (1 << 20):.1f} MiB"
+
+        def memory(r: int) -> str:
+            d = devices[r]
+            return f"{format_size(d.memory)} given" if d.memory is not None and not d.is_cuda else "a GPU"
+
+        def parts(at: str, r: int) -> str:
+            state = footprint.state if at == "whole" else footprint.owned[r]
+            grads = "" if at == "gradients" else f"gradients {mib(footprint.gradients)}, "
+            return f"{grads}optimizer state {mib(state)}"
+
+        lines = [f"{devices[r].label} ({memory(r)}) has {mib(seen[r])} left after the weights, and the first step "
+                 f"adds {mib(footprint.adds(level, r))} ({parts(level, r)})" for r in short(level)]
+        fits = [at for at in levels if not short(at)]
+        if fits:
+            best = fits[0]
+            advice = (f"{SPELLING[best]} fits: the first step adds " + ", ".join(
+                f"{mib(footprint.adds(best, r))} on {devices[r].label}" for r in range(len(seen))
+                if seen[r] is not None) + f"; give parallelize {SPELLING[best]}.")
+        else:
+            least = min(levels, key=lambda at: max(footprint.adds(at, r) - (seen[r] or 0) for r in short(at)))
+            need = {r: footprint.adds(least, r) - seen[r] for r in short(least)}
+            advice = (f"No level this run may take fits ({', '.join(SPELLING[at] for at in levels)}); the least, "
+                      f"{SPELLING[least]}, needs " + ", ".join(f"{mib(n)} more on {devices[r].label}"
+                                                               for r, n in need.items()) +
+                      ". A part of the weights on each device (shard='weights', ZeRO stage 3) is not built: give "
+                      "those devices more memory, or train a smaller model.")
+        raise ValueError(f"the training state does not fit at {SPELLING[level]}: {'; '.join(lines)}. {advice}")
 
     # ------------------------------------------------------------ ran out
     def release(self) -> None:

@@ -36,7 +36,9 @@ from multigpu.engine.shm import DTYPES as _SHM_DTYPES
 from multigpu.engine.shm import CollectiveMismatchError, SharedMemory
 from multigpu.membership import PeerLostError
 
-__all__ = ["CollectiveMismatchError", "Comm", "timeout_hint"]
+__all__ = ["BROADCAST_BUCKET", "CollectiveMismatchError", "Comm", "timeout_hint"]
+
+BROADCAST_BUCKET = 4 << 20  # bytes: a broadcast's flat copies hold at most this (larger tensors go in place)
 
 
 def timeout_hint(seconds: float) -> str:
@@ -293,22 +295,39 @@ class Comm:
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int | None = None,
                   what: str = "broadcasting the initial weights") -> None:
         """Copies rank ``src``'s tensors (default: the leader's, which is also used once ``src`` is lost) into
-        every rank's (one flat broadcast per dtype)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        every rank's: a tensor of :data:`BROADCAST_BUCKET` bytes or more in place, smaller ones of a dtype
+        together through one flat copy of at most that size (so a broadcast never holds a second copy of the
+        weights: a device with room for the training state has room for it)."""
+        buckets: list[list[torch.Tensor]] = []
+        open_: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
         for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
+            size = t.numel() * t.element_size()
+            if size >= BROADCAST_BUCKET:
+                buckets.append([t])
+                continue
+            group, used = open_.setdefault(t.dtype, ([], [0]))
+            if used[0] + size > BROADCAST_BUCKET:
+                buckets.append(list(group))
+                group.clear()
+                used[0] = 0
+            group.append(t)
+            used[0] += size
+        buckets += [group for group, _ in open_.values() if group]
 
         def call() -> None:
             origin = self.members.index(src if src is not None and src in self.members else self.leader)
-            with self.fatal(what):
-                for group in by_dtype.values():
+            with self.fatal(what), torch.no_grad():
+                for group in buckets:
+                    t = group[0]
+                    if len(group) == 1 and t.is_contiguous() and t.device == self.device:
+                        dist.broadcast(t.detach(), origin)
+                        continue
                     flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
                     dist.broadcast(flat, origin)
                     offset = 0
-                    with torch.no_grad():
-                        for t in group:
-                            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                            offset += t.numel()
+                    for t in group:
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
         self._again_after_loss(call)
 
     def gather_objects(self, obj, what: str = "gathering results") -> list:

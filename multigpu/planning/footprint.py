@@ -1,0 +1,67 @@
+"""What a model's first training step adds to each device's memory, by how much of the training state is in parts.
+
+Pure arithmetic, the same on every backend.  Before ``fit``'s first step a
+device already holds the weights; the step then makes the gradients and the
+optimizer builds its state.  For ``T`` bytes of trainable weights, an
+optimizer holding ``S`` values per weight (Adam: 2, SGD with momentum: 1) and
+a device owning the state of ``t`` of those bytes (its part:
+:mod:`multigpu.planning.partition`), the step adds on that device:
+
+===============================  ==========================  =============
+level (``parallelize`` argument)  gradients kept               optimizer state
+===============================  ==========================  =============
+``shard_optimizer=False``          ``T``                        ``S·T``
+``shard="optimizer"``              ``T``                        ``S·t``
+``shard="gradients"``              0 (written into the sum)     ``S·t``
+===============================  ==========================  =============
+
+An optimizer already built holds its state already (nothing more is added).
+It is a lower bound: the step's activations, the sum's buffers between
+machines and the framework's scratch space come on top, and are what the
+memory caps measure (:mod:`multigpu.balancing.caps`); a device that cannot
+hold even this cannot take a first step at any batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["LEVELS", "SPELLING", "Footprint"]
+
+LEVELS = ("whole", "optimizer", "gradients")
+SPELLING = {"whole": "shard_optimizer=False", "optimizer": "shard='optimizer'", "gradients": "shard='gradients'"}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The training state a model's first step adds on every device.
+
+    Attributes:
+        gradients: bytes of one copy of the gradients (the trainable weights' bytes).
+        state: bytes of the whole optimizer state (0 where the optimizer is built: it is held already).
+        owned: for each rank, bytes of the optimizer state of the part it owns when the state is in parts.
+    """
+
+    gradients: int
+    state: int
+    owned: Sequence[int]
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], itemsizes: Sequence[int], slots: float, owner: Sequence[int],
+           world_size: int, built: bool) -> Footprint:
+        """From each trainable variable's number of values and bytes a value, the optimizer's values per weight
+        (``slots``), each variable's owning rank, and whether the optimizer is built."""
+        nbytes = [int(n) * int(b) for n, b in zip(sizes, itemsizes)]
+        owned = [0] * world_size
+        for size, rank in zip(nbytes, owner):
+            owned[rank] += size
+        factor = 0.0 if built else float(slots)
+        return cls(sum(nbytes), int(factor * sum(nbytes)), [int(factor * o) for o in owned])
+
+    def adds(self, level: str, rank: int) -> int:
+        """Bytes the first step adds on ``rank`` at ``level`` (one of :data:`LEVELS`)."""
+        if level not in LEVELS:
+            raise ValueError(f"`level` must be one of {', '.join(LEVELS)}. Received: {level!r}")
+        kept = 0 if level == "gradients" else self.gradients
+        return kept + (self.state if level == "whole" else int(self.owned[rank]))
