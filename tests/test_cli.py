@@ -237,3 +237,47 @@ def test_run_log_level_reaches_the_ranks_through_the_environment(monkeypatch, tm
         os.environ.pop(env.LOG_LEVEL, None)
         if saved is not None:
             os.environ[env.LOG_LEVEL] = saved
+
+
+def test_plan_prints_what_each_device_holds_at_each_level_and_the_largest_model(capsys, tmp_path):
+    """24 and 12 GiB, 1.2B weights with AdamW: the state in parts by memory (2:1); whole, each device holds 16
+    bytes a weight (17.88 GiB: not on 12 GiB); the largest model whole is what 12 GiB holds at 16 bytes a
+    weight, at shard='gradients' what 24 GiB holds at 4 + 8 x 2/3 bytes (1.93B weights)."""
+    from multigpu.cli.main import main
+
+    assert main(["plan", "--memory", "24GiB,12GiB", "--weights", "1.2e9", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "1,200,000,000 trainable weights (float32, 4.47 GiB), AdamW: 2 values a weight" in out
+    assert "each device's part of the state: 67%, 33%" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("shard", "level"))}
+    assert rows["shard_optimizer=False"] == ["17.88", "GiB", "17.88", "GiB", "no"]
+    assert rows["shard='optimizer'"] == ["14.90", "GiB", "11.92", "GiB", "yes"]
+    assert rows["shard='gradients'"] == ["10.43", "GiB", "7.45", "GiB", "yes"]
+    assert f"The largest model at shard_optimizer=False: {12 * 2**30 // 16:,} trainable weights." in out
+    assert f"The largest model at shard='gradients': {int(12 * 2**30 // (4 + 8 / 3)):,} trainable" in out
+
+    import keras  # a saved model: its weights and its compiled optimizer (SGD with momentum: 1 value a weight)
+
+    model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(1000), keras.layers.BatchNormalization()])
+    model.compile(keras.optimizers.SGD(momentum=0.9), "mse")
+    model.save(tmp_path / "m.keras")
+    assert main(["plan", "--devices", "cpu:0/1MiB", "cpu:1", "--model", str(tmp_path / "m.keras")]) == 0
+    out = capsys.readouterr().out
+    assert "103,000 trainable weights (float32, 0.4 MiB)" in out, out  # Dense 100 x 1000 + 1000, BN's 2 x 1000
+    assert "SGD: 1 values a weight" in out and "CPU:1 (memory unknown)" in out
+    assert "The largest model at shard_optimizer=False: " in out  # CPU:0 alone bounds it
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--memory", "24GiB", "--weights", "1e9"], "plan takes two devices or more"),
+    (["--memory", "24GiB,12GiB", "--weights", "lots"], "--weights takes a positive count, e.g. 1.2e9, 350M or 7B. "
+                                                       "Received: 'lots'"),
+    (["--memory", "24GiB,12GiB", "--weights", "1e9", "--optimizer", "nope"], "--optimizer takes a Keras "
+                                                                              "optimizer's name"),
+    (["--devices", "cpu:0", "cpu:1", "--memory", "1GiB", "--weights", "1e9"], "--memory takes one size per device"),
+])
+def test_plan_refuses_bad_input_saying_what_it_received(argv, message, capsys):
+    from multigpu.cli.main import main
+
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err

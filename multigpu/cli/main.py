@@ -15,11 +15,13 @@ import sys
 from multigpu.cli import bench as bench_cmd
 from multigpu.cli import calibrate as calibrate_cmd
 from multigpu.cli import devices as devices_cmd
+from multigpu.cli import plan as plan_cmd
 from multigpu.cli import run as run_cmd
 from multigpu.devices import looks_like_devices
 from multigpu.log import print_always
 
-_COMMANDS = {"run": run_cmd, "devices": devices_cmd, "bench": bench_cmd, "calibrate": calibrate_cmd}
+_COMMANDS = {"run": run_cmd, "devices": devices_cmd, "bench": bench_cmd, "calibrate": calibrate_cmd,
+             "plan": plan_cmd}
 _DEVICE_FLAGS = ("--devices", "--gpus")
 # The extra of pyproject.toml (and the package in it) that brings a module multigpu may need but does not require.
 _EXTRAS = {"jax": ("jax", "jax"), "jaxlib": ("jax", "jax"), "tensorflow": ("tensorflow", "tensorflow"),

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LEVELS", "SPELLING", "Footprint"]
+__all__ = ["LEVELS", "SPELLING", "Footprint", "holds", "largest_model"]
 
 LEVELS = ("whole", "optimizer", "gradients")
 SPELLING = {"whole": "shard_optimizer=False", "optimizer": "shard='optimizer'", "gradients": "shard='gradients'"}
@@ -65,3 +65,23 @@ class Footprint:
             raise ValueError(f"`level` must be one of {', '.join(LEVELS)}. Received: {level!r}")
         kept = 0 if level == "gradients" else self.gradients
         return kept + (self.state if level == "whole" else int(self.owned[rank]))
+
+
+def holds(level: str, weights: int, itemsize: int, slots: float, parts: Sequence[float]) -> list[float]:
+    """Bytes each device holds for a model of ``weights`` values of ``itemsize`` bytes trained at ``level``: the
+    weights, the gradients it keeps and the optimizer state it holds (``slots`` values a weight), each device
+    owning the fraction ``parts[r]`` of the state (they add up to 1; the variables' sizes are not known here,
+    so the parts are exact fractions)."""
+    if level not in LEVELS:
+        raise ValueError(f"`level` must be one of {', '.join(LEVELS)}. Received: {level!r}")
+    kept = 0 if level == "gradients" else 1
+    return [float(weights) * itemsize * (1 + kept + slots * (1.0 if level == "whole" else part)) for part in parts]
+
+
+def largest_model(level: str, memory: Sequence[int | None], itemsize: int, slots: float,
+                  parts: Sequence[float]) -> int | None:
+    """The most weights whose training state every device of known ``memory`` holds at ``level`` (an upper
+    bound: the steps' activations come on top); None where no device's memory is known."""
+    per_weight = holds(level, 1, itemsize, slots, parts)
+    found = [int(m // b) for m, b in zip(memory, per_weight) if m is not None]
+    return min(found) if found else None
