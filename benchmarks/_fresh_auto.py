@@ -1,6 +1,6 @@
-"""One run of ``bench_fresh_auto.py``: the outside convnet trained as a user would, in a plain script.
+"""One run of ``bench_fresh_auto.py``: an outside model trained as a user would, in a plain script.
 
-    python benchmarks/_fresh_auto.py OUT.json --profile NEW.json --ratios auto|2,1|equal [--epochs 6 ...]
+    python benchmarks/_fresh_auto.py OUT.json --profile NEW.json --ratios auto|2,1|equal [--model convnet ...]
 
 ``python script.py`` with ``devices=["cpu:0", "cpu:1@0.5"]``: the script re-runs itself once per
 device.  Rank 0 writes the end time of every training step, per epoch, and the shares at the end.
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import keras
 import numpy as np
-from outside_model import build
+from outside_model import BUILDERS, INPUTS
 
 import multigpu
 
@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--model", default="convnet", choices=sorted(BUILDERS))
     p.add_argument("--profile", required=True, help="a profile file that does not exist yet (a fresh profile)")
     a = p.parse_args()
     if a.ratios in ("auto", "equal"):
@@ -57,11 +58,11 @@ def main() -> None:
     else:
         ratios = [float(v) for v in a.ratios.split(",")]
     keras.utils.set_random_seed(0)
-    model = multigpu.parallelize(build(), devices=a.devices.split(","), ratios=ratios, profile=a.profile)
+    model = multigpu.parallelize(BUILDERS[a.model](), devices=a.devices.split(","), ratios=ratios, profile=a.profile)
     model.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((a.batch * a.steps, 32, 32, 3)).astype("float32")
+    x = rng.standard_normal((a.batch * a.steps, *INPUTS[a.model])).astype("float32")
     y = rng.integers(0, 10, a.batch * a.steps)
     ends = StepEnds(a.batch)
     model.fit(x, y, batch_size=a.batch, epochs=a.epochs, shuffle=False, verbose=0, callbacks=[ends])

@@ -22,3 +22,45 @@ def build() -> keras.Model:
         layers.GlobalAveragePooling2D(),
         layers.Dense(10),
     ], name="outside_convnet")
+
+
+# Three more shapes nothing in multigpu was tuned on either (``bench_fresh_auto.py --models``): the input shape of
+# each builder is in INPUTS.
+def build_wide() -> keras.Model:
+    """A wider convnet on smaller images, 16x16x3 (Conv 64-128, MaxPool, Conv 256-256): about the outside
+    convnet's work a row, over four times its weights (1.0M)."""
+    return keras.Sequential([
+        keras.Input((16, 16, 3)),
+        layers.Conv2D(64, 3, padding="same", activation="relu"),
+        layers.Conv2D(128, 3, padding="same", activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Conv2D(256, 3, padding="same", activation="relu"),
+        layers.Conv2D(256, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(10),
+    ], name="outside_wide_convnet")
+
+
+def build_mlp() -> keras.Model:
+    """An MLP on 784 features (1024-1024-10, 1.9M weights): little work a row beside a large sum."""
+    return keras.Sequential([
+        keras.Input((784,)),
+        layers.Dense(1024, activation="relu"),
+        layers.Dense(1024, activation="relu"),
+        layers.Dense(10),
+    ], name="outside_mlp")
+
+
+def build_gru() -> keras.Model:
+    """A GRU classifier on sequences of 32 steps of 16 features (GRU 128, Dense 10): a step's work is a loop over
+    time."""
+    return keras.Sequential([
+        keras.Input((32, 16)),
+        layers.GRU(128),
+        layers.Dense(10),
+    ], name="outside_gru")
+
+
+BUILDERS = {"convnet": build, "wide": build_wide, "mlp": build_mlp, "gru": build_gru}
+INPUTS = {"convnet": (32, 32, 3), "wide": (16, 16, 3), "mlp": (784,), "gru": (32, 16)}
+BATCHES = {"convnet": 128, "wide": 128, "mlp": 512, "gru": 256}  # global batches of about 0.1 to 0.3 s a step

@@ -218,6 +218,25 @@ def test_what_a_replay_saves_is_measured_and_decides_later_recordings():
     assert r(*_data(11), None, prompt=True)[2] and r.recorded == 3
 
 
+def test_where_the_steps_left_in_fit_are_known_a_signature_is_recorded_at_once_or_not_in_this_fit():
+    """Once the shares settled, the steps left in ``fit`` are known (``ahead``): a signature is recorded at its
+    first step if they would save what a recording costs, and never in this fit if they would not (renting, a
+    GRU paid a 2-4 s recording in its last epoch to save at most 0.1 s)."""
+    r = ForwardReplay(_mlp(), record_at=1 + replay._WARM_PASSES)
+    for _ in range(1 + replay._WARM_PASSES + replay._TIMED_REPLAYS):
+        r(*_data(8), None)
+    assert r.recorded == 1
+    r.gain, r._record_cost = 0.001, 0.0035  # 1 ms saved a step, a 3.5 ms recording
+    assert r(*_data(10), None, ahead=4)[2] and r.recorded == 2  # 4 steps left save 4 ms: bought at once
+    assert [r(*_data(9), None, ahead=left)[2] for left in (5 - 2, 2, 1, 0, 0, 0)] == [False] * 6
+    assert r.recorded == 2  # renting (ahead unknown) would have recorded it at its 4th step
+    r.gain = None  # not measured: bounded by a free replay's saving, Keras's pass time a step
+    r._record_cost = 3600.0
+    assert not r(*_data(11), None, ahead=10)[2]
+    r._record_cost = 0.0
+    assert r(*_data(12), None, ahead=10)[2] and r.recorded == 3
+
+
 def test_a_keras_hub_backbone_with_dropout_is_replayed_bit_for_bit():
     """keras-hub's modeling layers (transformer blocks, attention, embeddings) are trusted like Keras's own."""
     pytest.importorskip("keras_hub", reason="needs keras-hub (make test installs it)")

@@ -127,7 +127,7 @@ class Loops:
         rejoinable = input_kind(x) == "arrays" and steps_per_epoch is None
         back = self._come_back(x, rejoinable)
         seed = back["seed"] if back else p.comm.shared_seed()
-        p.position.update(seed=seed, rejoinable=rejoinable)
+        p.position.update(seed=seed, rejoinable=rejoinable, epochs=epochs)
         if input_kind(x) == "arrays":
             num_rows(x, y, sample_weight)  # inputs and targets of one length, checked on every rank
             sample_weight = _with_class_weight(y, sample_weight, class_weight, "fit")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OpOverload", "make_fx", "missing", "random_tag", "tree_flatten", "written_arguments"]
+__all__ = ["OpOverload", "argument", "make_fx", "missing", "random_tag", "tree_flatten", "written_arguments"]
 
 
 def missing() -> list[str]:
@@ -54,3 +54,11 @@ def written_arguments(node, schema) -> list:
 def tree_flatten(tree) -> tuple[list, object]:
     """``torch.utils._pytree.tree_flatten``: leaves and spec."""
     return torch.utils._pytree.tree_flatten(tree)
+
+
+def argument(node, schema, name: str):
+    """The value ``node`` passes for its operation's argument ``name`` (None when absent)."""
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return None

@@ -34,32 +34,25 @@ own code (nothing else changes):
 
 ``parallelize(replay=False)`` (or ``MULTIGPU_REPLAY=0``) keeps Keras's own pass everywhere.
 
-When to record is a matter of cost.  A recording costs several passes
-(tracing, one checking replay, the gradients of both, compared by digests one
-at a time, :mod:`.digest`: 1.5 s for the outside
-convnet at 86 rows, 7x its forward pass, against 0.2 s for an MLP), and each
-new local batch size is a new signature, so a share search that moves the
-shares would pay it at every move.  What a replay saves is measured: the
-first signature is recorded at its second step (``record_at``), and the
-first replays of a signature recorded after at least three warm passes
-through Keras (from its second: a first pass pays for a new size's buffers
-and kernels' plans) are timed against the fastest of them, in processor
-time; until then, a signature is recorded once its passes through Keras took
-as long as the last recording did.  The saving per step is about the same at
-every batch size (it is Keras's Python per operation).  A later signature
-is then recorded once the steps it ran through Keras's pass would have saved
-as much as a recording costs (a rent-or-buy rule: at most
-twice the cost of knowing the future), so a model whose replay saves nothing
-(a convnet, whose time is its arithmetic) is never recorded again and a
-size a search only passes through costs nothing.  While the search moves,
-a new size is recorded at its first step when the replay saves something
-and a recording costs at most ``PROMPT_SECONDS``: its windows should time the
-same pass as the shares they are compared with.  A saving below
-``MIN_GAIN`` of Keras's pass counts as none (the first passes of a size
-overstate it).  At most ``max_graphs`` signatures are kept.  Recording
-runs the forward pass once more, with every non-trainable variable and
-torch's random state restored afterwards (recording and checking the replay
-write them once more).
+When to record is a matter of cost. A recording costs several passes (tracing, one checking replay, the
+gradients of both, compared by digests one at a time, :mod:`.digest`: 1.5 s for the outside convnet at 86 rows,
+7x its forward pass, against 0.2 s for an MLP), and each new local batch size is a new signature, so a share
+search that moves the shares would pay it at every move. What a replay saves is measured: the first signature is
+recorded at its second step (``record_at``), and the first replays of a signature recorded after at least three
+warm passes through Keras (from its second: a first pass pays for a new size's buffers and kernels' plans) are
+timed against the fastest of them, in processor time; until then, a signature is recorded once its passes
+through Keras took as long as the last recording did. The saving per step is about the same at every batch size
+(it is Keras's Python per operation). A later signature is then recorded once the steps it ran through Keras's
+pass would have saved as much as a recording costs (a rent-or-buy rule: at most twice the cost of knowing the
+future); where the future is known (the shares settled, the steps left in ``fit``), at once if those steps would
+save it, else not in this ``fit`` (renting, the GRU of ``bench_fresh_auto.py`` paid a 2-4 s recording in its
+last epoch to save at most 0.1 s), so a model whose replay saves nothing (a convnet, whose time is its
+arithmetic) is never recorded again and a size a search only passes through costs nothing. While the search
+moves, a new size is recorded at its first step when the replay saves something and a recording costs at most
+``PROMPT_SECONDS``: its windows should time the same pass as the shares they are compared with. A saving below
+``MIN_GAIN`` of Keras's pass counts as none (the first passes of a size overstate it). At most ``max_graphs``
+signatures are kept. Recording runs the forward pass once more, with every non-trainable variable and torch's
+random state restored afterwards (recording and checking the replay write them once more).
 """
 
 from __future__ import annotations
@@ -141,7 +134,8 @@ class ForwardReplay:
         """Drops the recorded passes and what they hold (a device ran out of memory: it needs it back)."""
         self._graphs.clear()
 
-    def __call__(self, x, y, sample_weight, *, prompt: bool = False) -> tuple[object, torch.Tensor, bool]:
+    def __call__(self, x, y, sample_weight, *, prompt: bool = False,
+                 ahead: int | None = None) -> tuple[object, torch.Tensor, bool]:
         """``(y_pred, loss, recorded)`` of the training forward pass on this batch.
 
         Args:
@@ -151,6 +145,10 @@ class ForwardReplay:
                 share search is moving: its windows should time the replayed
                 pass, as at the shares it compares them with; a dearer
                 recording at every probe would cost more than it corrects).
+            ahead: the steps of this ``fit`` known to come at this signature
+                (the shares settled, a whole global batch; None: not known):
+                it is recorded now if they would save what a recording costs,
+                else not in this ``fit``.
 
         ``recorded`` says that this call also recorded a signature (the step
         took longer than a step does).
@@ -192,16 +190,19 @@ class ForwardReplay:
             count, fastest = self._fastest.get(key, (0, cpu))
             self._fastest[key] = count + 1, min(cpu, fastest)
         self._seen[key] = steps, seconds = steps + 1, seconds + time.perf_counter() - began
-        if not self._should_record(steps, seconds, prompt):
+        if not self._should_record(steps, seconds, prompt, ahead):
             return y_pred, loss, False
         self._record(key, x, y, sample_weight, leaves, values, y_pred, loss, before)
         return y_pred, loss, True
 
-    def _should_record(self, steps: int, seconds: float, prompt: bool) -> bool:
-        """Whether a signature run ``steps`` times through Keras's pass (``seconds`` in all) is recorded now
-        (see the module docstring)."""
+    def _should_record(self, steps: int, seconds: float, prompt: bool, ahead: int | None = None) -> bool:
+        """Whether a signature run ``steps`` times through Keras's pass (``seconds`` in all), with ``ahead`` steps
+        of it known to come, is recorded now (see the module docstring)."""
         if prompt and self.recorded and self._record_cost <= PROMPT_SECONDS and (self.gain is None or self.gain > 0):
             return True
+        if ahead is not None and self.recorded:  # the future is known: buy now, or not in this fit
+            saves = self.gain if self.gain is not None else seconds / steps  # unmeasured: a free replay's saving
+            return saves > 0 and ahead * saves >= self._record_cost
         if self.gain is None:  # the saving is not measured yet: record at ``record_at``, by the seconds rule
             return steps >= self.record_at and seconds >= self._record_cost
         return self.gain > 0 and steps * self.gain >= self._record_cost
@@ -301,7 +302,7 @@ def prepare_graph(gm, trainable: int, variables: int) -> str | None:
         if node.op != "call_function" or not isinstance(node.target, internals.OpOverload):
             continue
         schema = node.target._schema
-        if internals.random_tag() in node.target.tags and _argument(node, schema, "generator") is not None:
+        if internals.random_tag() in node.target.tags and internals.argument(node, schema, "generator") is not None:
             return f"the forward pass draws random numbers from a generator of its own ({node.target})"
         if not schema.is_mutable:
             continue
@@ -313,14 +314,6 @@ def prepare_graph(gm, trainable: int, variables: int) -> str | None:
         elif any(w in args for w in written):
             return f"the forward pass writes a trainable variable or an input in place ({node.target})"
     gm.recompile()
-    return None
-
-
-def _argument(node, schema, name: str):
-    """The value ``node`` passes for its operation's argument ``name`` (None when absent)."""
-    for i, a in enumerate(schema.arguments):
-        if a.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
     return None
 
 

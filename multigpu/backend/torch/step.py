@@ -184,7 +184,8 @@ class TorchSteps(Evaluation, StepsCore):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         logs_local = None
         if plan.local > 0:
-            y_pred, loss, self._recorded = self.forward(x, y, sample_weight, prompt=self.balancer.searching)
+            y_pred, loss, self._recorded = self.forward(x, y, sample_weight, prompt=self.balancer.searching,
+                                                        ahead=self.steps_ahead(plan))
             tracker = _compat.loss_tracker(model)
             if tracker is not None:
                 tracker.update_state(loss, sample_weight=plan.local)
