@@ -237,6 +237,24 @@ def test_where_the_steps_left_in_fit_are_known_a_signature_is_recorded_at_once_o
     assert r(*_data(12), None, ahead=10)[2] and r.recorded == 3
 
 
+def test_the_steps_ahead_are_known_only_once_the_shares_settled_at_a_whole_global_batch():
+    """``StepsCore.steps_ahead``: None (the replay then rents) while the search moves, for a last partial batch,
+    or where the steps of an epoch are not known; else the steps of ``fit`` left after this one."""
+    from types import SimpleNamespace
+
+    from multigpu.backend.steps import StepsCore
+
+    steps = SimpleNamespace(balancer=SimpleNamespace(searching=False, batch_size=64),
+                            parallel=SimpleNamespace(position={"epochs": 3, "epoch": 1, "step": 4}, steps_per_epoch=10))
+    whole, partial = SimpleNamespace(total=64), SimpleNamespace(total=40)
+    assert StepsCore.steps_ahead(steps, whole) == 2 * 10 - 4 - 1
+    assert StepsCore.steps_ahead(steps, partial) is None
+    steps.balancer.searching = True
+    assert StepsCore.steps_ahead(steps, whole) is None
+    steps.balancer.searching, steps.parallel.steps_per_epoch = False, None  # a generator of unknown length
+    assert StepsCore.steps_ahead(steps, whole) is None
+
+
 def test_a_keras_hub_backbone_with_dropout_is_replayed_bit_for_bit():
     """keras-hub's modeling layers (transformer blocks, attention, embeddings) are trusted like Keras's own."""
     pytest.importorskip("keras_hub", reason="needs keras-hub (make test installs it)")

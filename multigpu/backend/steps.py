@@ -170,13 +170,14 @@ class StepsCore:
                 levels.append("gradients")
         self.memory.check_state(footprint, level, levels)
 
-    def steps_ahead(self, plan) -> int:
-        """The steps of this ``fit`` left after this one at its local batch, where known: the shares settled and
-        the batch is a whole global batch (a last, partial one comes once an epoch); else 0."""
+    def steps_ahead(self, plan) -> int | None:
+        """The steps of this ``fit`` left after this one at its local batch, where known (the shares settled, a
+        whole global batch: a last, partial one comes once an epoch, and ``steps_per_epoch`` known); else None."""
         position, per_epoch = self.parallel.position, self.parallel.steps_per_epoch
-        if self.balancer.searching or plan.total != self.balancer.batch_size or not per_epoch:
-            return 0
-        return max(0, (position.get("epochs", 0) - position.get("epoch", 0)) * per_epoch - position.get("step", 0) - 1)
+        if (self.balancer.searching or plan.total != self.balancer.batch_size or not per_epoch
+                or "epochs" not in position):
+            return None
+        return max(0, (position["epochs"] - position.get("epoch", 0)) * per_epoch - position.get("step", 0) - 1)
 
     def see_optimizers(self) -> None:
         """Takes in every optimizer of the model (once each): in parts, its update runs on the owned variables."""
