@@ -137,3 +137,23 @@ def test_what_tensorflows_import_writes_besides_its_info_lines_gets_out_at_once(
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 3, res.stderr
     assert "this processor lacks AVX" in res.stderr and "oneDNN" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize(("backend", "expected"), [
+    ("torch", {"MKL_DISABLE_FAST_MM": "1"}),
+    ("tensorflow", {"TF_MKL_ALLOC_MAX_BYTES": str(64 << 20)}),
+    ("jax", {}),
+])
+def test_a_cpu_device_given_a_size_gets_its_backends_allocator_settings_and_only_that_rank(
+        monkeypatch, backend, expected):
+    from multigpu.devices import parse_devices
+
+    monkeypatch.setenv("KERAS_BACKEND", backend)
+    for name in ("MKL_DISABLE_FAST_MM", "TF_MKL_ALLOC_MAX_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    devices = parse_devices(["cpu:0/128MiB", "cpu:1"])
+    bounded = processes.rank_environment(0, devices, 1234, None, "/tmp")
+    free = processes.rank_environment(1, devices, 1234, None, "/tmp")
+    assert {k: bounded[k] for k in expected} == expected
+    assert not {"MKL_DISABLE_FAST_MM", "TF_MKL_ALLOC_MAX_BYTES"} & set(free)
+    assert not {"MKL_DISABLE_FAST_MM", "TF_MKL_ALLOC_MAX_BYTES"} - set(expected) & set(bounded)
