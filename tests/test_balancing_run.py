@@ -1,8 +1,10 @@
 """Automatic shares on real processes: a device throttled to half speed ends with the smaller share,
-the result is kept in the profile, and the next run starts from it."""
+the result is kept in the profile, and the next run starts from it; a device set aside and taken back."""
 
 import json
+import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import SCRIPTS
@@ -28,4 +30,38 @@ def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(ru
                        "--profile", str(profile), "--rows", "1024", timeout=150)
     assert again.returncode == 0, again.stdout
     assert "from the profile" in again.stdout and "calibrated in" not in again.stdout
+    assert runner.leftovers() == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend):
+    """MULTIGPU_PARK=force sets CPU:1 aside after each fit's first epoch: its epochs have no rows and no sum, the
+    metrics stay global, and at a larger batch in the next fit it trains again: weights and logs equal one
+    device's, every rank holds them."""
+    if backend == "tensorflow":
+        pytest.importorskip("tensorflow", reason="the TensorFlow backend's tests need TensorFlow")
+    out = runner.tmp_path / "two.json"
+    env = {"KERAS_BACKEND": backend, "MULTIGPU_PARK": "force", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = runner.together(([sys.executable, str(SCRIPTS / "parking.py"), str(runner.tmp_path / "one.json"), "one"],
+                            env),
+                           ([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
+                             str(SCRIPTS / "parking.py"), str(out), "two"], env), timeout=240)
+    for res in done:
+        assert res.returncode == 0, res.stdout[-3000:]
+    assert done[1].stdout.count("CPU:1 set aside from epoch 2: MULTIGPU_PARK=force") == 2, done[1].stdout[-3000:]
+    one, two = np.load(f"{runner.tmp_path / 'one.json'}.rank0.npz"), np.load(f"{out}.rank0.npz")
+    other = np.load(f"{out}.rank1.npz")
+    for k in one.files:
+        assert np.max(np.abs(one[k] - two[k])) <= 1e-5 * np.max(np.abs(one[k])), k
+        assert np.array_equal(two[k], other[k]), k  # the device set aside took the weights back
+    got = json.loads(out.read_text())
+    reference = json.loads((runner.tmp_path / "one.json").read_text())["histories"]
+    for fit, fit_reference in zip(got["histories"], reference):
+        for key, values in fit_reference.items():
+            np.testing.assert_allclose(fit[key], values, rtol=1e-5, err_msg=key)
+    for report in got["reports"]:  # each fit's last epoch: CPU:1 set aside, no rows, no time summing
+        (fast, slow) = report["devices"]
+        assert slow["share"] == 0.0 and slow["samples"] == 0 and fast["samples"] > 0, report
+        assert fast["sum"] == 0.0, report
+    assert min(got["ratios"]) > 0.3  # back with its share after the fit
     assert runner.leftovers() == []

@@ -33,8 +33,12 @@ def test_owners_follow_the_weights_within_one_variable():
     assert parts(sizes, owners(sizes, [3, 1]), 2)[0] > parts(sizes, owners(sizes, [1, 3]), 2)[0]
     assert memory_weights([2 << 30, 1 << 30]) == [2.0 * (1 << 30), 1.0 * (1 << 30)]
     assert memory_weights([2 << 30, None]) == [1.0, 1.0]
-    with pytest.raises(ValueError, match="above 0"):
-        owners([1, 2], [1, 0])
+    # a rank at 0 (a device set aside) owns nothing; the others share every variable
+    assert set(owners(sizes, [1, 0, 2])) == {0, 2}
+    assert parts(sizes, owners(sizes, [0, 1]), 2) == [0, sum(sizes)]
+    for weights in ([0, 0], [1, -1], []):
+        with pytest.raises(ValueError, match="one above 0"):
+            owners([1, 2], weights)
 
 
 def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(monkeypatch):

@@ -43,12 +43,15 @@ class Group(Protocol):
         world_size: the number of ranks the run started with.
         transport: how the step's sums travel: ``"shm"``, ``"gloo"`` or ``"nccl"``.
         runtime: the run (:class:`multigpu.runtime.runtime.Runtime`).
+        alone: whether this rank's step sums are over itself only (the other ranks set aside,
+            :mod:`multigpu.backend.parking`): they are then no collective.
     """
 
     rank: int
     world_size: int
     transport: str
     runtime: Any
+    alone: bool
 
     @property
     def leader(self) -> int:

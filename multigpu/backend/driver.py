@@ -34,6 +34,11 @@ owners), ``timing``, ``comm`` and ``balancer``, ``lost_peer(exc)`` (the lost
 peer an exception stands for, once unwrapped from the framework's error),
 ``restore_forward(kept)``, ``restore_metrics()`` and ``_calibrate_on(data,
 plan)``.  No backend catches a lost peer or an out-of-memory step itself.
+
+5. **devices set aside** (:mod:`multigpu.backend.parking`): a rank set aside
+   takes the plan and returns its last logs; a rank left sums over the ranks
+   left only (a batch planned before the move, with rows for them, is
+   stepped on by every rank together).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import keras
 from multigpu import membership
 from multigpu._keras.model_parts import batch_rows
 from multigpu.backend.message import Read, StepMessage
+from multigpu.backend.parking import SetAside
 from multigpu.balancing.caps import OutOfMemoryStepError, is_out_of_memory
 from multigpu.balancing.timing import StepRecord
 
@@ -67,6 +73,7 @@ class StepDriver:
         self.steps = steps
         self.batch = batch
         self.message = StepMessage(steps.timing.size, steps.comm.world_size)
+        self.aside = SetAside(steps)  # devices set aside: their steps, and the moves at epoch boundaries
 
     def train(self, data, attempt: Callable, *, rows: int | None = None):
         """One training step on ``data`` (``rows`` rows here; by default its inputs' first dimension):
@@ -77,6 +84,8 @@ class StepDriver:
         if rows is None:
             rows = batch_rows(keras.utils.unpack_x_y_sample_weight(data)[0])
         plan = balancer.planner.take(rows)
+        if self.aside.here and not plan.local:
+            return self.aside.logs  # set aside: no rows, no sum (multigpu.backend.parking)
         if balancer.lost and any(plan.sizes[r] for r in balancer.lost):
             data, plan = recovery.cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
             data = self.batch(data)
@@ -88,7 +97,7 @@ class StepDriver:
         while True:
             kept = recovery.keep(also=steps.memory.bounded)
             try:
-                return attempt(data, plan)
+                return self.aside.step(attempt, data, plan)
             except Exception as exc:
                 lost = steps.lost_peer(exc)
                 if lost is not None:
@@ -158,6 +167,8 @@ class StepDriver:
         if summed is not None:
             steps.recovery.read(summed, offset, waiting=said.waiting)
         members = steps.comm.members if steps.recovery.elastic else None  # (an elastic group's ranks left)
+        if steps.comm.alone:
+            members = [steps.comm.rank]  # (the others set aside: this rank's sum was its own)
         rec = StepRecord.from_vector(said.timing, steps.comm.world_size, complete=True, members=members)
         if adopt is None:
             steps.balancer.record(rec)

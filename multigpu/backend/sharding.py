@@ -262,6 +262,18 @@ class ShardedOptimizers:
             for shard in self._shards.values():
                 self._drop(shard)
 
+    def repartition(self, weights: Sequence[float]) -> None:
+        """Each rank's share of the state from now on (``weights``; a rank at 0 holds none: a device set aside,
+        :mod:`multigpu.balancing.parking`): the whole state on every rank first (a collective), then each
+        rank's new part kept."""
+        self.gather()
+        self.weights = list(weights)
+        for key, shard in list(self._shards.items()):
+            new = Shard(shard.optimizer, shard.variables, [self.size(v) for v in shard.variables], self.weights,
+                        self.comm.rank)
+            self._shards[key] = new
+            self._drop(new)
+
     def gather(self) -> None:
         """Every optimizer's whole state on every rank (a collective); it stays whole until the next update
         puts it in parts again."""

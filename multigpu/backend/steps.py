@@ -253,6 +253,13 @@ class StepsCore:
                 out.append(v)
         return out
 
+    # ------------------------------------------------ devices set aside (multigpu/backend/parking.py)
+    def forget_results(self) -> None:
+        """The last step's global results forgotten: the next ``get_metrics_result`` sums over every rank."""
+
+    def sum_over_all(self, every: bool) -> None:
+        """The step's sums over every rank again (``every``), or over the ranks left only (devices set aside)."""
+
     # Keras's loop on JAX and TensorFlow calls functions the model makes: a backend's steps build them.
     initialize_when_made = False  # the first function made also initializes (rank 0's weights everywhere)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from multigpu.balancing.advice import Advice, describe_shares
 from multigpu.balancing.options import BalanceOptions
+from multigpu.balancing.parking import Parking
 from multigpu.balancing.profiles import ProfileError, default_profile_path, profile_key, read_profile, write_profile
 from multigpu.balancing.search import ShareSearch, Window
 from multigpu.balancing.tally import EpochTally, StepsWindow
@@ -89,6 +90,7 @@ class LoadBalancer:
         self._settle_by = SETTLE_STEPS  # steps of a fit by which its search settles
         self._fit_start = 0  # the planner's steps when this fit began: the search settles by ``_settle_by`` more
         self._announced = False  # the run's devices and shares said once, at its first fit
+        self.parking = Parking(self.devices, log)  # the devices that do not pay, set aside
 
     def ratios_with(self, ranks: Sequence[int]) -> list[float]:
         """The ratios with lost ``ranks`` back: fixed ratios as given, automatic ones as they were at the loss."""
@@ -108,6 +110,11 @@ class LoadBalancer:
         self._window = StepsWindow()
         self._changed = False
         self._remeasure = self.options.auto and self.options.rebalance
+
+    def set_ratios(self, ratios: Sequence[float]) -> None:
+        """The shares from the next plan on, as devices are set aside or come back (every rank alike)."""
+        self.ratios = [float(r) for r in ratios]
+        self._window = StepsWindow()
 
     def drop(self, ranks: Sequence[int]) -> None:
         """Gives lost ranks no rows from now on; the others keep their shares relative to each other.
@@ -214,6 +221,7 @@ class LoadBalancer:
         self._settle_by = max(SETTLE_STEPS, 2 * int(steps_per_epoch or 0))
         self._fit_start = self.planner.taken
         self._signature = signature
+        self.parking.begin_fit()
         if not self.calibrated and not self.options.recalibrate:
             self._from_profile()
         self._announce(batch_size)
@@ -300,6 +308,8 @@ class LoadBalancer:
         if rec is None:
             return
         self.tally.add(rec)
+        if self.parking.parked:
+            return self.parking.observe(rec)  # (the ranks set aside take no step: on the ranks left only)
         if self._remeasure:
             self._measure_survivors(rec)
             return
@@ -358,6 +368,7 @@ class LoadBalancer:
         search = self.search
         settled = search is not None and search.settled and search.shares(window.ratios) == search.shares()
         self.advice.gain(window, settled, self.solo_speeds, self.batch_size or 0)
+        self.parking.judge(window, leader=None if self.lost else 0)  # (after a loss: no judgment)
 
     def end_epoch(self, epoch: int) -> dict:
         """The epoch's per-device breakdown (from the shared records); saves the profile if shares moved."""

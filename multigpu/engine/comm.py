@@ -82,6 +82,10 @@ class Comm:
         cuda = runtime.device.is_cuda and not self.host
         self.device = torch.device(f"cuda:{runtime.device.index}") if cuda else torch.device("cpu")
         self._buffers: dict[tuple, torch.Tensor] = {}
+        # A rank that trains with the other ranks set aside (multigpu.balancing.parking): its step's sums are
+        # over itself alone, so they are no collective at all.
+        self.alone = False
+        self._turn = 0
         self._shm: SharedMemory | None = None
         self.transport = self._choose(transport)
         if self.transport == "shm":
@@ -248,10 +252,11 @@ class Comm:
         shared memory each rank writes straight into the result, which nobody adds up; elsewhere the vector
         comes zeroed, for a sum that leaves each element as its writer wrote it.
         """
-        if self._shm is not None and dtype in _SHM_DTYPES:
+        if self._shm is not None and dtype in _SHM_DTYPES and not self.alone:
             with self.fatal("preparing shared memory"):
                 return self._shm.buffer(n, dtype, disjoint)
-        key = (n, dtype)
+        self._turn ^= 1  # alone, a result lives until the next-but-one call, as on shared memory
+        key = (n, dtype, self._turn if self.alone else 0)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=self.device)
@@ -271,6 +276,8 @@ class Comm:
         Returns:
             The sum; valid until the next-but-one call.
         """
+        if self.alone:
+            return buf  # the sum over this rank alone
         with self.fatal(what):
             if self._shm is not None and self._shm.owns(buf):
                 out = self._shm.reduce(buf, tag, describe)

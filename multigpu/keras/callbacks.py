@@ -37,7 +37,9 @@ class EpochHooks(keras.callbacks.Callback):
     end: BatchNorm statistics made equal on every rank (so that checkpoints
     and validation see the same model everywhere), rank 0's weights sent to
     all where the ranks run on different kinds of processor, and the
-    balancer's epoch report.
+    balancer's epoch report.  Devices that do not pay are set aside at an
+    epoch's start and come back at an epoch's or the fit's end
+    (:mod:`multigpu.backend.parking`).
     """
 
     def __init__(self, parallel, data) -> None:
@@ -49,6 +51,7 @@ class EpochHooks(keras.callbacks.Callback):
         self.data.set_epoch(epoch)
         self.parallel.timing.break_continuity()
         self.parallel.position["epoch"], self.parallel.position["step"] = epoch, 0
+        self.parallel.steps.driver.aside.epoch_begins(epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.parallel.position["step"] = self.data.first_step(self.parallel.position["epoch"]) + batch
@@ -57,3 +60,7 @@ class EpochHooks(keras.callbacks.Callback):
         self.parallel.steps.sync_batchnorm_statistics()
         self.parallel.steps.realign_replicas()
         self.parallel.balancer.end_epoch(epoch)
+        self.parallel.steps.driver.aside.epoch_ends(epoch)
+
+    def on_train_end(self, logs=None):
+        self.parallel.steps.driver.aside.fit_ends()

@@ -26,20 +26,22 @@ def owners(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
 
     Args:
         sizes: each variable's number of values, in the optimizer's order.
-        weights: each rank's share of the state (its memory; equal where unknown), all above 0.
+        weights: each rank's share of the state (its memory; equal where unknown); 0 for a rank that holds
+            none (a device set aside), at least one above 0.
 
     Returns:
         One rank per variable.
 
     Raises:
-        ValueError: when a weight is not above 0, or no rank is given.
+        ValueError: when a weight is below 0, none is above 0, or no rank is given.
     """
-    if not weights or any(not w > 0 for w in weights):
-        raise ValueError(f"each rank's weight must be above 0. Received: {list(weights)}")
+    if not weights or any(not w >= 0 for w in weights) or not any(w > 0 for w in weights):
+        raise ValueError(f"each rank's weight must be 0 or more, one above 0. Received: {list(weights)}")
     load = [0.0] * len(weights)
     out = [0] * len(sizes)
+    holders = [r for r in range(len(weights)) if weights[r] > 0]
     for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
-        rank = min(range(len(weights)), key=lambda r: ((load[r] + sizes[i]) / weights[r], r))
+        rank = min(holders, key=lambda r: ((load[r] + sizes[i]) / weights[r], r))
         out[i] = rank
         load[rank] += sizes[i]
     return out

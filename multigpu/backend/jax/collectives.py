@@ -53,6 +53,7 @@ class Comm:
     leader = 0
     joining = False
     rejoined = False
+    alone = False  # (JAX's steps never leave a rank out of their sums)
 
     def on_regroup(self, listener) -> None:
         """Takes a listener for new groups of survivors, which this backend never forms."""

@@ -63,6 +63,15 @@ class Comm:
         self.engine.min_devices = value
 
     @property
+    def alone(self) -> bool:
+        """Whether this rank's step sums are over itself alone (the others set aside)."""
+        return self.engine.alone
+
+    @alone.setter
+    def alone(self, value: bool) -> None:
+        self.engine.alone = value
+
+    @property
     def joining(self) -> bool:
         return self.engine.joining
 

@@ -163,6 +163,9 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             self._build_train()
         return self.driver.train(data, self._train_on)
 
+    def forget_results(self) -> None:
+        self._fresh = None
+
     def lost_peer(self, exc: BaseException):
         """A loss inside a TensorFlow function comes wrapped in TensorFlow's error: the engine kept it."""
         return self.comm.take_lost() or (exc if isinstance(exc, PeerLostError) else None)
@@ -236,4 +239,8 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             measured = time_alone(call, rows, first=call)
         for v, value in kept:
             v.assign(value)
+        known = {id(v) for v, _ in kept}
+        for v in self.model.metrics_variables:  # made by the first call (compiled metrics build then): at 0
+            if id(v) not in known:
+                v.assign(tf.zeros(v.shape, v.dtype))
         return measured

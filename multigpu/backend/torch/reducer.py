@@ -389,7 +389,7 @@ class GradientSync:
             self.writer.write(target[o : o + shape.numel()], g, weight)
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
-        world = float(len(self.comm.members))  # the ranks left
+        world = float(1 if self.comm.alone else len(self.comm.members))  # the ranks left (alone: itself)
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.engine.shm import CollectiveMismatchError
             failure.fail(str(CollectiveMismatchError(

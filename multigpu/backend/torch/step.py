@@ -91,6 +91,16 @@ class TorchSteps(Evaluation, StepsCore):
     def overlapping(self) -> bool:
         return self.sync.overlapping
 
+    def forget_results(self) -> None:
+        self.metrics.invalidate()
+
+    def sum_over_all(self, every: bool) -> None:
+        """Sums during the backward pass go to the whole group: none while devices are set aside."""
+        if not every:
+            self._overlap, self.sync.overlap = self.sync.overlap, False
+        elif getattr(self, "_overlap", None) is not None:
+            self.sync.overlap, self._overlap = self._overlap, None
+
     def methods(self) -> dict:
         """What the model instance gets.
 

@@ -1,0 +1,114 @@
+"""Devices set aside and taken back, on the steps of a backend whose sums can leave ranks out (torch, TensorFlow).
+
+The judgment is :mod:`multigpu.balancing.parking`'s; this module makes the
+moves, at epoch boundaries, where every rank runs the same hooks
+(:class:`multigpu.keras.callbacks.EpochHooks`):
+
+* **aside** (an epoch's start): the ranks set aside get no rows; with the
+  optimizer state in parts, their parts move to the ranks left (a
+  collective); each rank forgets its last global results, so that the
+  epoch's results are summed over every rank at its end;
+* **a step** (:meth:`SetAside.step`): a rank set aside takes the step's plan
+  and returns its last logs (its per-batch logs stand still while it is
+  aside; the epoch's are global); a rank left sums over the ranks left only,
+  which on one rank is no collective (``comm.alone``); a batch planned
+  before the move with rows for a rank set aside (an input that draws
+  ahead) is stepped on by every rank together, as before;
+* **back** (an epoch's end when the trial lost, and every ``fit``'s end):
+  the whole optimizer state on every rank, the leader's weights, optimizer
+  state and random streams sent to every rank (as to a rank that came back
+  after a loss), and the shares from before.
+"""
+
+from __future__ import annotations
+
+from multigpu import backend
+
+__all__ = ["SetAside"]
+
+
+class SetAside:
+    """The moves of one parallel model's devices set aside (see the module docstring).
+
+    Args:
+        steps: the model's steps (:class:`~multigpu.backend.steps.StepsCore`).
+    """
+
+    def __init__(self, steps) -> None:
+        self.steps = steps
+        self.comm = steps.comm
+        self.balancer = steps.balancer
+        self.judgment = steps.balancer.parking
+        options = steps.parallel.options
+        self.judgment.allowed = (backend.facts().elastic and self.balancer.options.auto and self.comm.world_size > 1
+                                 and not options.sync_batchnorm and getattr(self.comm, "min_devices", None) is None)
+        self._weights: list[float] | None = None  # each rank's part of the optimizer state before
+        self.logs = None  # this rank's last logs, which a step set aside returns
+
+    @property
+    def here(self) -> bool:
+        """Whether this rank is set aside now."""
+        return self.comm.rank in self.judgment.parked
+
+    @property
+    def alone(self) -> bool:
+        """Whether this rank steps with the others set aside (its sums over the ranks left)."""
+        return bool(self.judgment.parked) and not self.here
+
+    def step(self, attempt, data, plan):
+        """``attempt(data, plan)`` on a rank left (its sums over the ranks left); on a rank set aside, its last
+        logs."""
+        parked = self.judgment.parked
+        if not parked or any(plan.sizes[r] for r in parked):  # (a batch planned before the move: together)
+            self.logs = attempt(data, plan)
+            return self.logs
+        self.comm.alone = len(self.comm.members) - len(self.judgment.parked) == 1
+        try:
+            self.logs = attempt(data, plan)
+        finally:
+            self.comm.alone = False
+        self.steps.forget_results()  # the epoch's results are summed over every rank at its end
+        return self.logs
+
+    # ------------------------------------------------------------- epoch boundaries (every rank)
+    def epoch_begins(self, epoch: int) -> None:
+        """Sets aside the ranks the judgment named, if any."""
+        judgment = self.judgment
+        if not judgment.due:
+            return
+        if len(self.comm.members) - len(judgment.due) != 1:
+            judgment.due = []  # (more than one rank left: their sums would need a group of their own)
+            return
+        self.balancer.set_ratios(judgment.park(self.balancer.ratios, epoch))
+        shards = self.steps.shards
+        if shards is not None:
+            self._weights = list(shards.weights)
+            shards.repartition([0.0 if r in judgment.parked else w for r, w in enumerate(shards.weights)])
+        self.steps.forget_results()
+        self.steps.sum_over_all(False)
+
+    def epoch_ends(self, epoch: int) -> None:
+        """The trial's verdict, from the leader: the ranks set aside come back when the ranks left ran slower."""
+        if not self.judgment.parked:
+            return self.judgment.epoch_ended(self.comm.world_size)
+        leader = self.comm.leader
+        keep = self.comm.share(self.judgment.keeps_aside() if self.comm.rank == leader else None, leader,
+                               "judging the devices set aside")
+        if not keep:
+            self._back(epoch)
+
+    def fit_ends(self) -> None:
+        """Every device back, with the leader's state."""
+        if self.judgment.parked:
+            self._back(None)
+
+    def _back(self, epoch: int | None) -> None:
+        shards = self.steps.shards
+        if shards is not None:
+            shards.gather()  # the ranks left hold every part: each rank holds the whole state
+        self.steps._welcome_state()  # the leader's weights, optimizer state and random streams everywhere
+        self.balancer.set_ratios(self.judgment.back(epoch))
+        if shards is not None and self._weights is not None:
+            shards.repartition(self._weights)
+        self.steps.forget_results()
+        self.steps.sum_over_all(True)

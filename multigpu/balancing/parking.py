@@ -1,0 +1,133 @@
+"""Setting aside the devices that do not pay: the judgment (automatic shares only; the steps do the moves).
+
+When the fastest device alone computes faster than all the devices together
+run (the sums and the waits cost more than the others add: a small model, a
+slow link, a device far slower than the rest), the others are set aside:
+from the next epoch they get no rows and leave the step's sum, which on the
+one device left is no sum at all; they stay in the run and in every
+collective outside the training steps (validation, saves, the epoch's
+metrics), and take the current weights and optimizer state when they come
+back.  The judgment is the same on every rank (it reads the shared step
+records), so every rank moves at the same epoch boundary.
+
+* **Judged**: after :data:`WINDOWS` windows of the share search, by the
+  fastest device's measured compute speed at its share (its rows over its
+  time outside collectives, which over-counts what a whole batch alone
+  costs where a step has fixed work: the judgment errs towards keeping the
+  devices) against the best throughput the devices ran together, with
+  :data:`MARGIN` to spare.  Only the leader (rank 0 while no rank was lost)
+  stays: a run whose fastest device is another keeps every device.
+* **Tried**: while set aside, the device left measures its throughput alone;
+  at the epoch's end it keeps the others aside when it ran at least as fast
+  as they ran together, else they come back, and this ``fit`` does not set
+  them aside again.
+* **Back**: at every ``fit``'s end (the next ``fit`` judges again, at its
+  batch), or when the trial lost.
+
+``MULTIGPU_PARK=force`` (a testing aid, never set in a real run) sets the
+devices but the leader aside after a fit's first epoch and keeps them aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from multigpu import env
+from multigpu.balancing.timing import StepRecord
+from multigpu.balancing.windows import Window
+
+__all__ = ["MARGIN", "PARK", "WINDOWS", "Parking"]
+
+MARGIN = 1.1  # the device left alone must compute this much faster than the devices ran together
+WINDOWS = 4  # windows of the search measured before the judgment
+PARK = "MULTIGPU_PARK"
+
+
+class Parking:
+    """Which devices are set aside, and when they move (the same on every rank).
+
+    Args:
+        devices: every rank's device (``label`` is used).
+        log: prints one line (rank 0 only).
+    """
+
+    def __init__(self, devices: Sequence, log: Callable[[str], None]) -> None:
+        self.devices = list(devices)
+        self._log = log
+        self.allowed = False  # automatic shares on steps that can leave ranks out of the sum (set by the steps)
+        self.forced = env.get(PARK) == "force"
+        self.due: list[int] = []  # ranks to set aside at the next epoch's start
+        self.parked: list[int] = []  # ranks set aside now
+        self.kept_ratios: list[float] | None = None  # the shares before, given back with the devices
+        self.tried = False  # this fit set devices aside once already
+        self.together = 0.0  # the best throughput of the devices together in this fit
+        self.alone_speed = 0.0  # the device left's compute speed at its share, when judged
+        self._windows = 0
+        self._alone = [0, 0.0]  # samples and seconds of the steps alone
+
+    def begin_fit(self) -> None:
+        """A new ``fit``: every device in again (:meth:`back` ran at the last one's end), judged anew."""
+        self.due, self.tried, self.together, self._windows = [], False, 0.0, 0
+
+    # ------------------------------------------------------------- the judgment
+    def judge(self, window: Window, leader: int | None) -> None:
+        """One window of the devices together (every rank alike; ``leader`` None: a rank was lost, no judgment)."""
+        if not self.allowed or self.parked or self.due or self.tried or leader is None:
+            return
+        self._windows += 1
+        self.together = max(self.together, window.throughput)
+        speeds = window.speeds()
+        if speeds is None or len(speeds) < 2:
+            return
+        if self._windows < WINDOWS or max(range(len(speeds)), key=speeds.__getitem__) != leader:
+            return
+        if speeds[leader] >= MARGIN * self.together:
+            self.due = [r for r in range(len(speeds)) if r != leader]
+            self.alone_speed = speeds[leader]
+
+    def epoch_ended(self, world_size: int) -> None:
+        """An epoch of this fit ended (every rank; ``MULTIGPU_PARK=force``: the others are due aside)."""
+        if self.forced and self.allowed and not (self.parked or self.due or self.tried):
+            self.due = list(range(1, world_size))
+
+    # ------------------------------------------------------------- the moves
+    def park(self, ratios: Sequence[float], epoch: int) -> list[float]:
+        """Sets the due ranks aside (at an epoch's start, every rank); returns the shares from now on."""
+        self.parked, self.due, self.tried = list(self.due), [], True
+        self.kept_ratios = list(ratios)
+        self._alone = [0, 0.0]
+        out = [0.0 if r in self.parked else float(v) for r, v in enumerate(ratios)]
+        left = [r for r in range(len(out)) if r not in self.parked]
+        names = ", ".join(self.devices[r].label for r in self.parked)
+        why = (f"{self.devices[left[0]].label} alone computes {self.alone_speed:.0f} samples/s where the {len(out)} "
+               f"devices ran {self.together:.0f} together (the sums and waits cost more than they add)"
+               if not self.forced else f"{PARK}=force")
+        self._log(f"{names} set aside from epoch {epoch + 1}: {why}; back at the next fit(), or at this epoch's end "
+                  "if alone runs slower")
+        return out
+
+    def observe(self, rec: StepRecord) -> None:
+        """A step of the devices left (on them only: the others do not step)."""
+        self._alone[0] += sum(rec.samples)
+        self._alone[1] += max(rec.wall)
+
+    @property
+    def alone(self) -> float:
+        """The throughput of the devices left over the steps alone so far (0 before any)."""
+        samples, seconds = self._alone
+        return samples / seconds if seconds > 0 else 0.0
+
+    def keeps_aside(self) -> bool:
+        """At an epoch's end, on the leader: whether the devices left ran at least as fast as all together."""
+        return self.forced or self.alone == 0.0 or self.alone >= self.together
+
+    def back(self, epoch: int | None) -> list[float]:
+        """Every device in again (every rank; ``epoch``: the trial lost at its end, None: the fit ended);
+        returns the shares from then on."""
+        if epoch is not None:
+            names = ", ".join(self.devices[r].label for r in self.parked)
+            self._log(f"{names} back after epoch {epoch + 1}: alone ran {self.alone:.0f} samples/s, less than "
+                      f"the {self.together:.0f} together")
+        self.parked = []
+        ratios, self.kept_ratios = self.kept_ratios or [], None
+        return ratios

@@ -1,0 +1,47 @@
+"""A device set aside and taken back: the result equals one device's.
+
+    python parking.py OUT MODE
+
+MODE ``one``: one device (the reference); ``two``: ``cpu:0`` and ``cpu:1`` with automatic shares (run with
+``MULTIGPU_PARK=force``: the second device is set aside after each fit's first epoch and comes back at its end).
+Fits at batch 64 for 3 epochs, then at 128 for 2 (the device comes back at a larger batch), with validation,
+Adam (its state in parts where the run shards it) and a metric.  Each rank writes its weights to
+``OUT.rank<r>.npz`` and rank 0 the histories, each fit's last epoch report and the shares after it to ``OUT``.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import numpy as np
+from seeding import set_random_seed
+
+import multigpu
+
+out, mode = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(0)
+x = rng.standard_normal((640, 32)).astype(np.float32)
+y = (x[:, :10].argmax(axis=1) + (x[:, 10] > 1)).astype(np.int64) % 10
+set_random_seed(0)
+model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                          keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+if mode == "two":
+    model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios="auto")
+model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+histories, reports = [], []
+for batch, epochs in ((64, 3), (128, 2)):
+    h = model.fit(x[:512], y[:512], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                  validation_data=(x[512:], y[512:]))
+    histories.append(h.history)
+    reports.append(multigpu.state(model).last_report if mode == "two" else None)  # the fit's last epoch
+rank = multigpu.rank() if mode == "two" else 0
+np.savez(f"{out}.rank{rank}.npz", *[np.asarray(w) for w in model.get_weights()])
+if rank == 0:
+    state = multigpu.state(model) if mode == "two" else None
+    with open(out, "w") as f:
+        json.dump({"histories": histories, "reports": reports,
+                   "ratios": None if state is None else list(state.ratios)}, f)
