@@ -52,6 +52,9 @@ that were both given differ, rank 0 says in one line which it took.
   default ``info``) in every process of a run (``multigpu run --log-level``); :mod:`multigpu.log`.
 * ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
   (:mod:`multigpu.membership`); never set it in a real run.
+* ``MULTIGPU_PARK``: a testing aid: ``force`` sets the devices but the
+  leader aside after each fit's first epoch, ``off`` never sets one aside
+  (:mod:`multigpu.balancing.parking`); never set it in a real run.
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.
 * Launchers' variables, read by :mod:`multigpu.runtime.environments` only:
@@ -104,6 +107,7 @@ OVERLAP = "MULTIGPU_OVERLAP"
 BUCKET_MB = "MULTIGPU_BUCKET_MB"
 MIN_DEVICES = "MULTIGPU_MIN_DEVICES"
 FAULT = "MULTIGPU_FAULT"
+PARK = "MULTIGPU_PARK"
 REJOIN = "MULTIGPU_REJOIN"
 SHARED_ARRAYS = "MULTIGPU_SHARED_ARRAYS"
 LOG_LEVEL = "MULTIGPU_LOG_LEVEL"

@@ -90,7 +90,7 @@ class SetAside:
     def epoch_ends(self, epoch: int) -> None:
         """The trial's verdict, from the leader: the ranks set aside come back when the ranks left ran slower."""
         if not self.judgment.parked:
-            return self.judgment.epoch_ended(self.comm.world_size)
+            return
         leader = self.comm.leader
         keep = self.comm.share(self.judgment.keeps_aside() if self.comm.rank == leader else None, leader,
                                "judging the devices set aside")

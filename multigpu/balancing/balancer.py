@@ -368,7 +368,6 @@ class LoadBalancer:
         search = self.search
         settled = search is not None and search.settled and search.shares(window.ratios) == search.shares()
         self.advice.gain(window, settled, self.solo_speeds, self.batch_size or 0)
-        self.parking.judge(window, leader=None if self.lost else 0)  # (after a loss: no judgment)
 
     def end_epoch(self, epoch: int) -> dict:
         """The epoch's per-device breakdown (from the shared records); saves the profile if shares moved."""
@@ -381,6 +380,7 @@ class LoadBalancer:
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
         self.advice.epoch(epoch, e)
+        self.parking.judge(e, None if self.lost else 0, self.solo_speeds)  # (after a loss: no judgment)
         if self._changed and self.options.auto and not self.lost:
             self._save_profile()
         return self.last_report

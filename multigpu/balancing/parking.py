@@ -10,12 +10,12 @@ metrics), and take the current weights and optimizer state when they come
 back.  The judgment is the same on every rank (it reads the shared step
 records), so every rank moves at the same epoch boundary.
 
-* **Judged**: after :data:`WINDOWS` windows of the share search, by the
-  fastest device's measured compute speed at its share (its rows over its
-  time outside collectives, which over-counts what a whole batch alone
-  costs where a step has fixed work: the judgment errs towards keeping the
-  devices) against the best throughput the devices ran together, with
-  :data:`MARGIN` to spare.  Only the leader (rank 0 while no rank was lost)
+* **Judged**: at the end of a fit's epochs, from the second on (:data:`EPOCHS`),
+  by what the fastest device would run alone (:meth:`Parking.alone_estimate`:
+  its steps' time outside collectives, split into fixed work and its rows at
+  its calibrated speed, the rows grown to the whole batch) against the best
+  throughput the devices ran together in an epoch of this fit (its rows over
+  its wall time), with :data:`MARGIN` to spare.  Only the leader (rank 0 while no rank was lost)
   stays: a run whose fastest device is another keeps every device.
 * **Tried**: while set aside, the device left measures its throughput alone;
   at the epoch's end it keeps the others aside when it ran at least as fast
@@ -25,7 +25,8 @@ records), so every rank moves at the same epoch boundary.
   batch), or when the trial lost.
 
 ``MULTIGPU_PARK=force`` (a testing aid, never set in a real run) sets the
-devices but the leader aside after a fit's first epoch and keeps them aside.
+devices but the leader aside after a fit's first epoch and keeps them aside;
+``MULTIGPU_PARK=off`` (for benchmarks) never sets one aside.
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ from collections.abc import Callable, Sequence
 
 from multigpu import env
 from multigpu.balancing.timing import StepRecord
-from multigpu.balancing.windows import Window
 
-__all__ = ["MARGIN", "PARK", "WINDOWS", "Parking"]
+__all__ = ["EPOCHS", "MARGIN", "Parking"]
 
 MARGIN = 1.1  # the device left alone must compute this much faster than the devices ran together
-WINDOWS = 4  # windows of the search measured before the judgment
-PARK = "MULTIGPU_PARK"
+EPOCHS = 2  # epochs of a fit judged: the first one's steps hold its start-up (new sizes, the search's first moves)
 
 
 class Parking:
@@ -55,40 +54,58 @@ class Parking:
         self.devices = list(devices)
         self._log = log
         self.allowed = False  # automatic shares on steps that can leave ranks out of the sum (set by the steps)
-        self.forced = env.get(PARK) == "force"
+        self.forced = env.get(env.PARK) == "force"
+        self.never = env.get(env.PARK) == "off"
         self.due: list[int] = []  # ranks to set aside at the next epoch's start
         self.parked: list[int] = []  # ranks set aside now
         self.kept_ratios: list[float] | None = None  # the shares before, given back with the devices
         self.tried = False  # this fit set devices aside once already
         self.together = 0.0  # the best throughput of the devices together in this fit
         self.alone_speed = 0.0  # the device left's compute speed at its share, when judged
-        self._windows = 0
+        self._epochs = 0
         self._alone = [0, 0.0]  # samples and seconds of the steps alone
 
     def begin_fit(self) -> None:
         """A new ``fit``: every device in again (:meth:`back` ran at the last one's end), judged anew."""
-        self.due, self.tried, self.together, self._windows = [], False, 0.0, 0
+        self.due, self.tried, self.together, self._epochs = [], False, 0.0, 0
 
     # ------------------------------------------------------------- the judgment
-    def judge(self, window: Window, leader: int | None) -> None:
-        """One window of the devices together (every rank alike; ``leader`` None: a rank was lost, no judgment)."""
-        if not self.allowed or self.parked or self.due or self.tried or leader is None:
+    def judge(self, e: dict, leader: int | None, solo: Sequence[float] | None = None) -> None:
+        """An epoch of the devices together ended: its totals ``e`` (:class:`~multigpu.balancing.tally.EpochTally`,
+        the same on every rank; ``leader`` None: a rank was lost, no judgment; ``solo``: calibration's speeds)."""
+        if (not self.allowed or self.never or self.parked or self.due or self.tried or leader is None
+                or not e.get("steps")):
             return
-        self._windows += 1
-        self.together = max(self.together, window.throughput)
-        speeds = window.speeds()
-        if speeds is None or len(speeds) < 2:
+        self._epochs += 1
+        n = len(e["samples"])
+        wall = max(e["wall"])
+        self.together = max(self.together, sum(e["samples"]) / wall if wall > 0 else 0.0)
+        if self.forced:
+            self.due = [r for r in range(n) if r != leader]
             return
-        if self._windows < WINDOWS or max(range(len(speeds)), key=speeds.__getitem__) != leader:
+        speeds = [s / c if c > 0 else 0.0 for s, c in zip(e["samples"], e["compute"])]
+        if self._epochs < EPOCHS or max(range(n), key=speeds.__getitem__) != leader:
             return
-        if speeds[leader] >= MARGIN * self.together:
-            self.due = [r for r in range(len(speeds)) if r != leader]
-            self.alone_speed = speeds[leader]
+        alone = self.alone_estimate(e, leader, solo)
+        if alone >= MARGIN * self.together:
+            self.due = [r for r in range(n) if r != leader]
+            self.alone_speed = alone
 
-    def epoch_ended(self, world_size: int) -> None:
-        """An epoch of this fit ended (every rank; ``MULTIGPU_PARK=force``: the others are due aside)."""
-        if self.forced and self.allowed and not (self.parked or self.due or self.tried):
-            self.due = list(range(1, world_size))
+    @staticmethod
+    def alone_estimate(e: dict, leader: int, solo: Sequence[float] | None) -> float:
+        """Samples/s of ``leader``'s device on whole batches alone, from an epoch's totals ``e``: a step costs
+        its fixed work plus its rows at the device's speed alone (``solo``: calibration's forward and backward
+        passes, where measured), the fixed work being what its steps took beyond their rows; without ``solo``,
+        every second of a step is taken to grow with its rows (a lower bound)."""
+        steps, rows, compute = e["steps"], e["samples"][leader], e["compute"][leader]
+        batch = sum(e["samples"]) / steps
+        if not rows or compute <= 0:
+            return 0.0
+        per_row = compute / rows
+        if solo and solo[leader] > 0:
+            per_row = min(per_row, 1.0 / solo[leader])
+        fixed = max(0.0, compute - rows * per_row) / steps
+        return batch / (fixed + batch * per_row)
 
     # ------------------------------------------------------------- the moves
     def park(self, ratios: Sequence[float], epoch: int) -> list[float]:
@@ -101,7 +118,7 @@ class Parking:
         names = ", ".join(self.devices[r].label for r in self.parked)
         why = (f"{self.devices[left[0]].label} alone computes {self.alone_speed:.0f} samples/s where the {len(out)} "
                f"devices ran {self.together:.0f} together (the sums and waits cost more than they add)"
-               if not self.forced else f"{PARK}=force")
+               if not self.forced else f"{env.PARK}=force")
         self._log(f"{names} set aside from epoch {epoch + 1}: {why}; back at the next fit(), or at this epoch's end "
                   "if alone runs slower")
         return out

@@ -1,0 +1,77 @@
+"""The judgment that sets aside a device that does not pay (in-process: the moves run in test_balancing_run.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from multigpu.balancing.parking import EPOCHS, MARGIN, Parking
+from multigpu.balancing.timing import StepRecord
+
+DEVICES = [SimpleNamespace(label="CPU:0"), SimpleNamespace(label="CPU:1")]
+
+
+def epoch(samples, compute, wall, steps=10) -> dict:
+    return {"samples": list(samples), "compute": list(compute), "wall": list(wall), "steps": steps}
+
+
+def judged(*epochs, solo=None, allowed=True) -> Parking:
+    lines = []
+    p = Parking(DEVICES, lines.append)
+    p.allowed = allowed
+    p.begin_fit()
+    for e in epochs:
+        p.judge(e, 0, solo)
+    p.lines = lines
+    return p
+
+
+def test_the_alone_estimate_splits_a_step_into_fixed_work_and_rows():
+    # 10 steps of 32 + 32 rows; CPU:0 computed 0.1 s, half of it beyond its rows at its calibrated 6,400/s
+    e = epoch([320, 320], [0.1, 0.1], [0.12, 0.12])
+    assert Parking.alone_estimate(e, 0, [6400.0, 6400.0]) == pytest.approx(64 / (0.005 + 64 / 6400))
+    # without calibration every second grows with the rows: the lower bound
+    assert Parking.alone_estimate(e, 0, None) == pytest.approx(3200.0)
+
+
+def test_a_device_that_pays_is_kept_and_one_that_does_not_is_set_aside_after_the_second_epoch():
+    pays = epoch([320, 320], [0.1, 0.1], [0.12, 0.12])  # together 5,333/s; CPU:0 alone about 4,267/s
+    p = judged(pays, pays, pays, solo=[6400.0, 6400.0])
+    assert p.due == [] and p.together == pytest.approx(640 / 0.12)
+    slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])  # together 1,600/s (a slow device's waits); CPU:0 alone 6,000/s
+    assert judged(slow).due == []  # the first epoch of a fit is not judged
+    p = judged(slow, slow)
+    assert EPOCHS == 2 and p.due == [1] and p.alone_speed >= MARGIN * p.together
+    assert judged(slow, slow, allowed=False).due == []  # fixed ratios, JAX, sync_batchnorm: never
+    faster_second = epoch([40, 600], [0.1, 0.1], [0.4, 0.4])
+    assert judged(faster_second, faster_second).due == []  # only the leader stays: a faster rank 1 keeps both
+
+
+def test_aside_the_shares_move_and_the_trial_decides_the_return(monkeypatch):
+    slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])
+    p = judged(slow, slow)
+    assert p.park([0.9, 0.1], epoch=2) == [0.9, 0.0] and p.parked == [1] and p.due == []
+    said = "CPU:1 set aside from epoch 3: CPU:0 alone computes 6000 samples/s where the 2 devices ran 1600"
+    assert said in p.lines[-1]
+    p.judge(slow, 0)  # no judgment while aside
+    assert p.due == [] and p.keeps_aside()  # nothing measured alone yet: kept
+    p.observe(StepRecord(wall=(0.02, 0.0), step=(0.02, 0.0), compute=(0.02, 0.0), samples=(64, 0)))
+    assert p.alone == pytest.approx(3200.0) and p.keeps_aside()
+    p.observe(StepRecord(wall=(0.2, 0.0), step=(0.2, 0.0), compute=(0.2, 0.0), samples=(64, 0)))
+    assert not p.keeps_aside()  # 582/s alone against 1,600 together: back
+    assert p.back(epoch=2) == [0.9, 0.1] and p.parked == []
+    assert "CPU:1 back after epoch 3: alone ran 582 samples/s, less than the 1600 together" in p.lines[-1]
+    p.judge(slow, 0)
+    assert p.due == []  # tried once in this fit
+    p.begin_fit()
+    p.judge(slow, 0)
+    p.judge(slow, 0)
+    assert p.due == [1]  # a new fit judges again
+
+
+def test_the_testing_aid_forces_the_move_or_none(monkeypatch):
+    even = epoch([320, 320], [0.1, 0.1], [0.12, 0.12])
+    monkeypatch.setenv("MULTIGPU_PARK", "force")
+    assert judged(even).due == [1]
+    monkeypatch.setenv("MULTIGPU_PARK", "off")
+    slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])
+    assert judged(slow, slow).due == []
