@@ -8,6 +8,7 @@ import pytest
 from multigpu.backend.driver import StepDriver
 from multigpu.backend.message import StepMessage
 from multigpu.balancing.caps import OutOfMemoryStepError, is_out_of_memory
+from multigpu.balancing.parking import Parking
 from multigpu.balancing.timing import StepTiming
 from multigpu.membership import PeerLostError
 
@@ -52,12 +53,13 @@ class _Steps:
         self.failures = list(failures)
         self.calls = []
         plan = SimpleNamespace(sizes=[6, 2], local=6, total=8)
-        self.balancer = SimpleNamespace(planner=SimpleNamespace(take=lambda rows: plan), lost=[], calibrated=True)
+        self.balancer = SimpleNamespace(planner=SimpleNamespace(take=lambda rows: plan), lost=[], calibrated=True,
+                                        parking=Parking([], print))  # (no device set aside)
         self.recovery = SimpleNamespace(keep=lambda also=False: self.calls.append(("keep", also)) or "kept",
                                         welcome_due=False, after_loss=self._after_loss)
         self.memory = SimpleNamespace(bounded=True, cut_again=self._cut_again)
         self.timing = SimpleNamespace(size=4)
-        self.comm = SimpleNamespace(world_size=2, rank=0)
+        self.comm = SimpleNamespace(world_size=2, rank=0, alone=False)
 
     def lost_peer(self, exc):
         return exc if isinstance(exc, PeerLostError) else None
@@ -105,7 +107,7 @@ class _Rank:
 
     def __init__(self, rank: int):
         self.timing = StepTiming(rank, 2)
-        self.comm = SimpleNamespace(world_size=2, rank=rank, members=[0, 1])
+        self.comm = SimpleNamespace(world_size=2, rank=rank, members=[0, 1], alone=False)
         self.said = []
         self.memory = SimpleNamespace(begin=lambda rows: self.said.append(("begin", rows)),
                                       end=lambda rows: 96 if rows == 64 else 0,

@@ -1,12 +1,14 @@
 """The backend-neutral part of the steps (multigpu.backend.steps), in one process with a recording backend."""
 
 import os
+from types import SimpleNamespace
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras
 
 from multigpu.backend.steps import SEED_STRIDE, StepsCore
+from multigpu.balancing.parking import Parking
 from multigpu.devices import Device
 
 
@@ -38,7 +40,8 @@ class _Comm:
 class _Parallel:
     def __init__(self, model, rank, devices):
         self.model, self.comm = model, _Comm(rank, devices)
-        self.timing = self.balancer = None
+        self.timing = None
+        self.balancer = SimpleNamespace(parking=Parking([], print), options=SimpleNamespace(auto=False))
         self.steps_per_epoch = None
 
 

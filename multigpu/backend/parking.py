@@ -22,9 +22,16 @@ moves, at epoch boundaries, where every rank runs the same hooks
 
 from __future__ import annotations
 
-from multigpu import backend
+__all__ = ["SetAside", "allowed"]
 
-__all__ = ["SetAside"]
+
+def allowed(steps) -> bool:
+    """Whether ``steps`` may set devices aside: automatic shares, a backend whose sums can leave ranks out (torch,
+    TensorFlow), no global BatchNorm statistics (their sums run inside the forward pass), no ``min_devices``."""
+    from multigpu import backend
+
+    return (backend.facts().elastic and steps.balancer.options.auto and steps.comm.world_size > 1
+            and not steps.parallel.options.sync_batchnorm and getattr(steps.comm, "min_devices", None) is None)
 
 
 class SetAside:
@@ -36,14 +43,21 @@ class SetAside:
 
     def __init__(self, steps) -> None:
         self.steps = steps
-        self.comm = steps.comm
-        self.balancer = steps.balancer
-        self.judgment = steps.balancer.parking
-        options = steps.parallel.options
-        self.judgment.allowed = (backend.facts().elastic and self.balancer.options.auto and self.comm.world_size > 1
-                                 and not options.sync_batchnorm and getattr(self.comm, "min_devices", None) is None)
         self._weights: list[float] | None = None  # each rank's part of the optimizer state before
         self.logs = None  # this rank's last logs, which a step set aside returns
+
+    @property
+    def comm(self):
+        return self.steps.comm
+
+    @property
+    def balancer(self):
+        return self.steps.balancer
+
+    @property
+    def judgment(self):
+        """The balancer's :class:`~multigpu.balancing.parking.Parking`."""
+        return self.steps.balancer.parking
 
     @property
     def here(self) -> bool:

@@ -44,6 +44,7 @@ import numpy as np
 from multigpu import backend, membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batchnorm_statistics, optimizer_slots, optimizers_of, own_method
+from multigpu.backend import parking
 from multigpu.balancing.caps import is_out_of_memory
 from multigpu.planning.footprint import Footprint
 from multigpu.planning.partition import memory_weights, owners
@@ -116,6 +117,7 @@ class StepsCore:
         self.memory = None  # the memory policy (balancing/caps.py's DeviceMemory), where the backend measures
         self._said_parts = False
         self._checked_state = False  # whether fit checked that the devices hold the training state
+        self.balancer.parking.allowed = parking.allowed(self)  # devices that do not pay may be set aside
 
     # ---------------------------------------------------------- the contract
     def methods(self) -> dict:
