@@ -76,6 +76,19 @@ class Evaluation:
             self.driver.finish(tail, summed, n_message, adopt)
         return logs
 
+    # ---------------------------------------------------------- the metrics' hooks (recovery, the driver)
+    def restore_metrics(self) -> None:
+        self.metrics.restore()
+
+    def take_over_metrics(self) -> None:
+        self.metrics.take_over(self.comm)
+
+    def metrics_from_zero(self) -> None:
+        self.metrics.start_from_zero()
+
+    def forget_results(self) -> None:
+        self.metrics.invalidate()
+
     def get_metrics_result(self):
         """Global results (local inside a step, where the step makes them global itself)."""
         if self.metrics.updates_only:

@@ -81,6 +81,7 @@ class TorchSteps(Evaluation, StepsCore):
         self.own_step = OwnTrainStep(self)
         self._recorded = False
         self._seen: dict[int, object] = {}  # the optimizers whose apply is wrapped, by id
+        self._kept_overlap = None  # the sums during the backward pass, while devices are set aside
         self.shards = ShardedOptimizers(self.comm, parallel.ledger) if parallel.options.shard_optimizer else None
         self.recovery = Recovery(self)
         self.driver = StepDriver(self)
@@ -91,15 +92,9 @@ class TorchSteps(Evaluation, StepsCore):
     def overlapping(self) -> bool:
         return self.sync.overlapping
 
-    def forget_results(self) -> None:
-        self.metrics.invalidate()
-
     def sum_over_all(self, every: bool) -> None:
         """Sums during the backward pass go to the whole group: none while devices are set aside."""
-        if not every:
-            self._overlap, self.sync.overlap = self.sync.overlap, False
-        elif getattr(self, "_overlap", None) is not None:
-            self.sync.overlap, self._overlap = self._overlap, None
+        self.sync.overlap, self._kept_overlap = (self._kept_overlap, None) if every else (False, self.sync.overlap)
 
     def methods(self) -> dict:
         """What the model instance gets.
@@ -132,17 +127,8 @@ class TorchSteps(Evaluation, StepsCore):
             for v, value in zip(self.model.non_trainable_variables, kept or ()):
                 v.value.copy_(value)
 
-    def restore_metrics(self) -> None:
-        self.metrics.restore()
-
     def undo_updates(self) -> None:
         self.sync.undo()  # a step of the model's own: what its updates changed before its logs' sum failed
-
-    def take_over_metrics(self) -> None:
-        self.metrics.take_over(self.comm)
-
-    def metrics_from_zero(self) -> None:
-        self.metrics.start_from_zero()
 
     def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
         return self._finish(summed, "train", n_timing, adopt=adopt)
