@@ -64,11 +64,6 @@ class SetAside:
         """Whether this rank is set aside now."""
         return self.comm.rank in self.judgment.parked
 
-    @property
-    def alone(self) -> bool:
-        """Whether this rank steps with the others set aside (its sums over the ranks left)."""
-        return bool(self.judgment.parked) and not self.here
-
     def step(self, attempt, data, plan):
         """``attempt(data, plan)`` on a rank left (its sums over the ranks left); on a rank set aside, its last
         logs."""
@@ -76,7 +71,7 @@ class SetAside:
         if not parked or any(plan.sizes[r] for r in parked):  # (a batch planned before the move: together)
             self.logs = attempt(data, plan)
             return self.logs
-        self.comm.alone = len(self.comm.members) - len(self.judgment.parked) == 1
+        self.comm.alone = True  # (one rank left: epoch_begins sets aside no fewer)
         try:
             self.logs = attempt(data, plan)
         finally:

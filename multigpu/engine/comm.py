@@ -85,7 +85,6 @@ class Comm:
         # A rank that trains with the other ranks set aside (multigpu.balancing.parking): its step's sums are
         # over itself alone, so they are no collective at all.
         self.alone = False
-        self._turn = 0
         self._shm: SharedMemory | None = None
         self.transport = self._choose(transport)
         if self.transport == "shm":
@@ -255,8 +254,7 @@ class Comm:
         if self._shm is not None and dtype in _SHM_DTYPES and not self.alone:
             with self.fatal("preparing shared memory"):
                 return self._shm.buffer(n, dtype, disjoint)
-        self._turn ^= 1  # alone, a result lives until the next-but-one call, as on shared memory
-        key = (n, dtype, self._turn if self.alone else 0)
+        key = (n, dtype)  # (alone: a private buffer, summed in place as gloo sums it)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=self.device)
