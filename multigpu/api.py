@@ -141,8 +141,14 @@ def parallelize(
             the sum; the sums no longer start during the backward pass, as
             they do by default between machines and on GPUs). Not with
             ``compression``, ``sync_batchnorm`` or ``overlap=True``.
-            ``"weights"`` (ZeRO stage 3) is not built yet. Default
-            (``None``): ``shard_optimizer``'s.
+            ``"weights"`` (torch; ZeRO stage 3): the gradients' level, and
+            while ``fit`` runs each device holds only the trainable weights
+            it owns; a layer's weights are gathered for its ``call`` and
+            again before its backward pass, and let go after (no forward
+            pass replay; the first step's calibration and saves inside
+            ``fit`` run on the whole weights; ``fit`` ends with every
+            weight on every device).  Default (``None``):
+            ``shard_optimizer``'s.
 
     Returns:
         The same model object, now parallel.
@@ -175,7 +181,7 @@ def parallelize(
     arguments.check_flag("replay", replay, allow_none=True)
     overlap = env.fallback("overlap", overlap, env.OVERLAP, arguments.switch(env.OVERLAP), say=say)
     arguments.check_streaming(level, compression=compression, sync_batchnorm=sync_batchnorm, overlap=overlap)
-    if level == "gradients" and overlap is None:
+    if level in ("gradients", "weights") and overlap is None:
         overlap = False  # asked for: the gradients go into the sum during the backward pass, not in buckets
     replay = env.fallback("replay", replay, env.REPLAY, arguments.switch(env.REPLAY), say=say)
     bucket_mb = arguments.bucket_mb(env.fallback("bucket_mb", bucket_mb, env.BUCKET_MB, arguments.megabytes, say=say))
@@ -226,7 +232,9 @@ def parallelize(
     parallel.ParallelModel(model, runtime, comm, balancer,
                            parallel.Options(sync_batchnorm=sync_batchnorm, compression=compression,
                                             overlap=overlap, bucket_mb=bucket_mb, replay=replay,
-                                            shard_optimizer=bool(level), shard_gradients=level == "gradients"),
+                                            shard_optimizer=bool(level),
+                                            shard_gradients=level in ("gradients", "weights"),
+                                            shard_weights=level == "weights"),
                            backend.get().Steps).install()
     return model
 

@@ -53,7 +53,7 @@ SHARD_LEVELS = ("optimizer", "gradients", "weights")
 
 def shard_level(shard, shard_optimizer, facts) -> str | bool | None:
     """``parallelize``'s ``shard`` and ``shard_optimizer`` as one choice: ``"optimizer"``, ``"gradients"``,
-    False (the whole state on every device) or None (chosen by :func:`shard_by_default`)."""
+    ``"weights"``, False (the whole state on every device) or None (chosen by :func:`shard_by_default`)."""
     check_flag("shard_optimizer", shard_optimizer, allow_none=True)
     if shard is None:
         return None if shard_optimizer is None else ("optimizer" if shard_optimizer else False)
@@ -63,10 +63,10 @@ def shard_level(shard, shard_optimizer, facts) -> str | bool | None:
     if shard_optimizer is False:
         raise ValueError(f"`shard={shard!r}` puts the optimizer state in parts, and `shard_optimizer=False` keeps it "
                          f"whole: give one of them. Received: shard={shard!r}, shard_optimizer=False")
-    if shard == "weights":
-        raise ValueError("`shard='weights'` (each device holding a part of the weights between steps, ZeRO stage "
-                         "3) is not built yet. Received: shard='weights'. Use shard='gradients' (the gradients and "
-                         "the optimizer state in parts) or shard='optimizer'.")
+    if shard == "weights" and not facts.shard_weights:
+        raise ValueError(f"`shard='weights'` (each device holding a part of the weights while fit runs, ZeRO stage "
+                         f"3) runs on the torch backend; on the {facts.name} backend use shard='optimizer'. "
+                         f"Received: shard='weights' with KERAS_BACKEND={facts.name}")
     if shard == "gradients" and not facts.shard_gradients:
         raise ValueError(f"`shard='gradients'` runs on the torch backend; on the {facts.name} backend use "
                          f"shard='optimizer'. Received: shard='gradients' with KERAS_BACKEND={facts.name}")
@@ -74,21 +74,22 @@ def shard_level(shard, shard_optimizer, facts) -> str | bool | None:
 
 
 def check_streaming(level, *, compression, sync_batchnorm: bool, overlap) -> None:
-    """Refuses ``shard="gradients"`` beside what writes the gradients after the backward pass instead."""
-    if level != "gradients":
+    """Refuses ``shard="gradients"`` (and ``"weights"``) beside what writes the gradients after the backward pass
+    instead."""
+    if level not in ("gradients", "weights"):
         return
     given = [f"{name}={value!r}" for name, value, on in (
         ("compression", compression, compression is not None), ("sync_batchnorm", sync_batchnorm, sync_batchnorm),
         ("overlap", overlap, bool(overlap))) if on]
     if given:
-        raise ValueError(f"`shard='gradients'` writes each gradient into the sum during the backward pass, which "
+        raise ValueError(f"`shard={level!r}` writes each gradient into the sum during the backward pass, which "
                          f"{', '.join(given)} does not allow (the step writes its gradients after the pass there). "
-                         f"Received: shard='gradients', {', '.join(given)}. Use shard='optimizer'.")
+                         f"Received: shard={level!r}, {', '.join(given)}. Use shard='optimizer'.")
 
 
 def check_sharding(level, min_devices, facts) -> None:
     """Refuses the state in parts (``level``, from :func:`shard_level`) where it cannot run."""
-    given = f"shard={level!r}" if level == "gradients" else "shard_optimizer=True"
+    given = f"shard={level!r}" if level in ("gradients", "weights") else "shard_optimizer=True"
     if level and not facts.shard_optimizer:
         raise ValueError(f"`{given}` runs on the torch, TensorFlow and JAX backends; on the "
                          f"{facts.name} backend every device holds the whole optimizer state. Received: "

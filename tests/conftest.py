@@ -81,13 +81,17 @@ OUTSIDE = {
         "the killed schedules and the own step's stay",
     "test_hub.py::test_keras_hub_tasks_reproduce_one_device[torch-1,2,5]":
         "keras-hub's tasks at 3:1 stay",
-    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[torch-cpu:0,cpu:1,cpu:2-1,2,5-gloo]":
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[torch-cpu:0,cpu:1,cpu:2-1,2,5-gloo-weights]":
+        "the weights in parts at 3:1 over shared memory stay",
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[torch-cpu:0,cpu:1,cpu:2-1,2,5-gloo-gradients]":
         "the optimizer in parts at 3:1 over shared memory stays",
-    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[tensorflow-cpu:0,cpu:1,cpu:2-1,2,5-gloo]":
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[torch-cpu:0,cpu:1-3,1-auto-gradients]":
+        "the weights in parts at 3:1 (the gradients' level and more) stay; the gradients' level by default there",
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[tensorflow-cpu:0,cpu:1,cpu:2-1,2,5-gloo-optimizer]":
         "the optimizer in parts at 3:1 over shared memory stays",
-    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[jax-cpu:0,cpu:1,cpu:2-1,2,5-gloo]":
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[jax-cpu:0,cpu:1,cpu:2-1,2,5-gloo-optimizer]":
         "the optimizer in parts on torch and TensorFlow stays",
-    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[jax-cpu:0,cpu:1-3,1-auto]":
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[jax-cpu:0,cpu:1-3,1-auto-optimizer]":
         "the optimizer in parts on torch and TensorFlow, through the same neutral code, stays",
     "test_notebook.py::test_launch_at_3_to_1_in_a_kernel_reproduces_one_device[torch]":
         "a launch in a kernel whose rank fails (the kernel stays usable) stays",
@@ -97,7 +101,7 @@ OUTSIDE = {
         "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
     "test_splits.py::test_every_split_of_a_batch_of_64_reproduces_one_device[tensorflow]":
         "the 49 splits on each backend (a minute or two each); TensorFlow's uneven splits step by step stay",
-    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[tensorflow-cpu:0,cpu:1-3,1-auto]":
+    "test_sharding.py::test_a_sharded_optimizer_matches_one_device[tensorflow-cpu:0,cpu:1-3,1-auto-optimizer]":
         "the optimizer in parts on torch, through the same neutral code (backend/sharding.py), stays",
     "test_inputs.py::test_loaders_with_workers_reproduce_one_device[jax-3,1]":
         "loaders with workers on torch stay (the data path is neutral)",

@@ -253,6 +253,7 @@ def test_plan_prints_what_each_device_holds_at_each_level_and_the_largest_model(
     assert rows["shard_optimizer=False"] == ["17.88", "GiB", "17.88", "GiB", "no"]
     assert rows["shard='optimizer'"] == ["14.90", "GiB", "11.92", "GiB", "yes"]
     assert rows["shard='gradients'"] == ["10.43", "GiB", "7.45", "GiB", "yes"]
+    assert rows["shard='weights'"] == ["8.94", "GiB", "4.47", "GiB", "yes"]  # 12 bytes a weight of its part
     assert f"The largest model at shard_optimizer=False: {12 * 2**30 // 16:,} trainable weights." in out
     assert f"The largest model at shard='gradients': {int(12 * 2**30 // (4 + 8 / 3)):,} trainable" in out
 

@@ -23,8 +23,10 @@ def test_each_level_adds_the_gradients_it_keeps_and_the_optimizer_state_it_holds
     built = Footprint.of([100, 50], [4, 4], 2.0, [0, 1], 2, built=True)  # its state is held already
     assert [built.adds(level, 0) for level in ("whole", "optimizer", "gradients")] == [600, 600, 0]
     assert Footprint.of([10], [2], 1.0, [1], 2, built=False).owned == [0, 20]  # bfloat16: 2 bytes a value
-    with pytest.raises(ValueError, match=r"must be one of whole, optimizer, gradients\. Received: 'weights'"):
-        footprint.adds("weights", 0)
+    # weights in parts: its optimizer state, the largest variable gathered, less the weights it does not own
+    assert [footprint.adds("weights", r) for r in (0, 1)] == [800 + 400 - 200, 400 + 400 - 400]
+    with pytest.raises(ValueError, match=r"must be one of whole, optimizer, gradients, weights\. Received: 'parts'"):
+        footprint.adds("parts", 0)
 
 
 class _Unrebuildable(keras.optimizers.SGD):
@@ -63,6 +65,19 @@ def test_a_device_that_cannot_hold_the_first_step_ends_the_run_naming_its_memory
         "weights, and the first step adds 96.0 MiB (gradients 32.0 MiB, optimizer state 64.0 MiB). "
         "shard='gradients' fits: the first step adds 32.0 MiB on CPU:0; give parallelize shard='gradients'.")
     memory.check_state(footprint, "gradients", ["whole", "optimizer", "gradients"])  # fits: nothing raised
+    # a device that holds the weights but not one more copy of them: the weights in parts, owning none of them
+    small = Footprint.of([4 * MIB, 4 * MIB], [4, 4], 2.0, [1, 1], 2, built=False)
+    with pytest.raises(ValueError) as error:
+        _memory("cpu:0/40MiB,cpu:1", [int(8 * MIB), None]).check_state(
+            small, "optimizer", ["whole", "optimizer", "gradients", "weights"])
+    assert str(error.value).endswith("shard='gradients' fits: the first step adds 0.0 MiB on CPU:0; give "
+                                     "parallelize shard='gradients'.")
+    # owning the state of 4 MiB of 36 MiB of weights (8 MiB): in parts it lets go of 32 and gathers 16 at least
+    with pytest.raises(ValueError) as error:
+        _memory("cpu:0/40MiB,cpu:1", [int(4 * MIB), None]).check_state(
+            Footprint.of([4 * MIB, 4 * MIB, MIB], [4, 4, 4], 2.0, [1, 1, 0], 2, built=False), "gradients",
+            ["whole", "optimizer", "gradients", "weights"])
+    assert "shard='weights' fits: the first step adds -8.0 MiB on CPU:0" in str(error.value)
     _memory("cpu:0,cpu:1", [None, None]).check_state(footprint, "whole", ["whole"])  # no memory known: no check
 
 
@@ -77,4 +92,4 @@ def test_when_no_level_the_run_may_take_fits_the_error_says_how_much_more_the_le
     assert "; CPU:1 (48MiB given) has 47.5 MiB left after the weights, and the first step adds 64.0 MiB" in text
     assert ("No level this run may take fits (shard_optimizer=False, shard='optimizer'); the least, "
             "shard='optimizer', needs 1.5 MiB more on CPU:0, 16.5 MiB more on CPU:1.") in text
-    assert "shard='weights', ZeRO stage 3) is not built" in text
+    assert text.endswith("Give those devices more memory, or train a smaller model.")

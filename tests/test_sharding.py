@@ -57,8 +57,10 @@ def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(m
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="all")
     with pytest.raises(ValueError, match=r"give one of them. Received: shard='gradients', shard_optimizer=False"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients", shard_optimizer=False)
-    with pytest.raises(ValueError, match=r"`shard='weights'` .* is not built yet"):
-        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="weights")
+    with pytest.raises(ValueError, match=r"cannot go with `min_devices`.*shard='weights'"):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="weights", min_devices=1)
+    with pytest.raises(ValueError, match=r"does not allow .*Received: shard='weights', overlap=True\. "):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="weights", overlap=True)
     with pytest.raises(ValueError, match=r"cannot go with `min_devices`"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients", min_devices=1)
     for given, pattern in (({"compression": "bf16"}, "compression='bf16'"),
@@ -80,6 +82,9 @@ def test_shard_optimizer_is_refused_with_min_devices_and_where_it_is_not_built(m
     with pytest.raises(ValueError, match=r"`shard='gradients'` runs on the torch backend; on the tensorflow backend "
                                          r"use shard='optimizer'"):
         multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="gradients")
+    with pytest.raises(ValueError, match=r"`shard='weights'` .*runs on the torch backend; on the tensorflow backend "
+                                         r"use shard='optimizer'. Received: shard='weights' with KERAS_BACKEND="):
+        multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], shard="weights")
 
 
 def _run(args, cwd, timeout=240, extra=None):
@@ -135,14 +140,20 @@ def plain_folder(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("backend", "devices", "ratios", "transport"),
-                         [("torch", "cpu:0,cpu:1", "3,1", "auto"), ("torch", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo"),
-                          ("tensorflow", "cpu:0,cpu:1", "3,1", "auto"),
-                          ("tensorflow", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo"),
-                          ("jax", "cpu:0,cpu:1", "3,1", "auto"), ("jax", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo")])
-def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend, devices, ratios, transport):
-    """On torch with ``shard="gradients"`` (the optimizer state in parts, and the built-in step's gradients
-    written into the sum's buffer during the backward pass, none kept), elsewhere ``shard="optimizer"``.
+@pytest.mark.parametrize(("backend", "devices", "ratios", "transport", "shard"),
+                         [("torch", "cpu:0,cpu:1", "3,1", "auto", "weights"),
+                          ("torch", "cpu:0,cpu:1", "3,1", "auto", "gradients"),
+                          ("torch", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo", "weights"),
+                          ("torch", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo", "gradients"),
+                          ("tensorflow", "cpu:0,cpu:1", "3,1", "auto", "optimizer"),
+                          ("tensorflow", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo", "optimizer"),
+                          ("jax", "cpu:0,cpu:1", "3,1", "auto", "optimizer"),
+                          ("jax", "cpu:0,cpu:1,cpu:2", "1,2,5", "gloo", "optimizer")])
+def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend, devices, ratios, transport, shard):
+    """On torch with ``shard="weights"`` (each device holding only its part of the trainable weights while
+    ``fit`` runs, a layer's gathered for its passes; the EMA refused) and ``shard="gradients"`` (the optimizer
+    state in parts, and the built-in step's gradients written into the sum's buffer during the backward pass,
+    none kept), elsewhere ``shard="optimizer"``.
     Over shared memory the new weights are written straight into the result (torch) or summed (TensorFlow,
     inside its step); over gloo (between machines, and a GPU beside a CPU) they are summed with zeros where a
     rank does not own.  On JAX (XLA's collectives) the new weights are summed after the compiled update; an
@@ -153,7 +164,6 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
     n = len(devices.split(","))
     extra = {"MULTIGPU_TRANSPORT": transport, "KERAS_BACKEND": backend}
     # the parallel run first: the plain checkpoint run then loads its file
-    shard = "gradients" if backend == "torch" else "optimizer"
     parallel = [sys.executable, "-m", "multigpu", "run", "--devices", devices, str(SCRIPTS / "sharded.py"), modes,
                 str(tmp_path / "par"), "--devices", devices, "--ratios", ratios, "--shard", shard]
     pending = plain_folder.pending(backend)  # one device's run of the modes beside it, the first time
@@ -187,7 +197,7 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
     plain, ranks = pair("features")
     names = [k.split(".")[0] for k in plain if k.endswith(".weights")]
     assert len(names) == 11
-    if backend == "jax":
+    if backend == "jax" or shard == "weights":
         assert all("cannot take an optimizer with `use_ema=True`" in str(r["ema.refused"]) for r in ranks)
         names.remove("ema")
     for name in names:
@@ -204,7 +214,7 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
         held = [int(r[f"{name}.held"]) for r in ranks]
         assert max(held) < int(plain[f"{name}.held"]), (name, held)  # no rank held the whole state
         assert sum(held) >= int(plain[f"{name}.held"]), (name, held)  # every part on some rank
-        if shard == "gradients":  # the built-in step's gradients went into the sum's buffer, none kept
+        if shard in ("gradients", "weights"):  # the built-in step's gradients went into the sum's buffer
             assert int(plain[f"{name}.gradients_kept"]) > 0, name  # (one device keeps its last ones)
             assert [int(r[f"{name}.gradients_kept"]) for r in ranks] == [0] * n, name
     assert "LossScaleOptimizer" in str(ranks[0]["mixed_float16.optimizer"])

@@ -14,8 +14,8 @@ from __future__ import annotations
 import keras
 
 __all__ = ["TESTED", "DataAdapter", "PyDatasetAdapter", "batchnorm_axes", "batchnorm_moments",
-           "call_has_training_arg", "check", "class_weight_to_sample_weights", "compile_metrics", "compute_loss",
-           "flatten_layers", "keras_version", "loss_tracker", "named_results", "optimizer_variables",
+           "call_has_training_arg", "check", "compile_metrics", "compute_loss", "flatten_layers", "in_symbolic_scope",
+           "keras_version", "loss_tracker", "named_results", "optimizer_variables", "own_trainable_variables",
            "replace_batchnorm_moments", "seed_variables", "silence_backup_saving", "symbolic_build"]
 
 TESTED = ((3, 10), (3, 17))  # [first, last) minor versions the suite ran with (make compat); pyproject.toml agrees
@@ -119,6 +119,8 @@ def _probes(owner: str) -> list:
         return [optimizer]
     if owner == "Variable":
         return [keras.Variable(np.zeros(1, "float32"))]
+    if owner == "Layer":
+        return [keras.layers.Dense(1)]
     if owner == "BatchNormalization":
         layer = keras.layers.BatchNormalization()
         layer.build((None, 2))
@@ -222,6 +224,19 @@ def call_has_training_arg(model) -> bool:
 def flatten_layers(model) -> list:
     """Every layer nested in ``model`` (``Layer._flatten_layers``)."""
     return list(model._flatten_layers(include_self=False))
+
+
+@_uses("Layer", "_trainable_variables")
+def own_trainable_variables(layer) -> list:
+    """The trainable variables ``layer`` made itself, not its sublayers' (``Layer._trainable_variables``)."""
+    return [v for v in layer._trainable_variables if v.trainable]
+
+
+def in_symbolic_scope() -> bool:
+    """Whether Keras is inferring shapes (``compute_output_spec``: no value is read)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope as inside
+
+    return inside()
 
 
 @_uses("BatchNormalization", "_moments")
@@ -376,20 +391,6 @@ def silence_backup_saving(callback, ledger) -> None:
     if not ledger.owns(callback, "_save_model"):
         ledger.set(callback, "_save_model", save_nothing_but_wait)
         ledger.set(callback, "delete_checkpoint", False)
-
-
-def class_weight_to_sample_weights(y, class_weight: dict):
-    """Per-row weights from ``class_weight``, as Keras computes them (sparse or one-hot ``y``)."""
-    import numpy as np
-
-    y_numpy = keras.ops.convert_to_numpy(y)
-    weights = np.ones((y_numpy.shape[0],), dtype=keras.backend.floatx())
-    if y_numpy.ndim > 1:
-        y_numpy = np.argmax(y_numpy, axis=-1) if y_numpy.shape[-1] != 1 else np.squeeze(y_numpy, axis=-1)
-    labels = np.round(y_numpy).astype("int64")
-    for i, label in enumerate(labels):
-        weights[i] = class_weight.get(int(label), 1.0)
-    return weights
 
 
 @_uses("compiled Model", "_compile_loss")

@@ -39,6 +39,7 @@ class Facts:
         versions: the framework's versions for reports (``{"torch": ..., "cuda": ...}``).
         shard_optimizer: whether ``parallelize(..., shard_optimizer=True)`` is built for the backend.
         shard_gradients: whether ``parallelize(..., shard="gradients")`` is built for the backend.
+        shard_weights: whether ``parallelize(..., shard="weights")`` is built for the backend.
         elastic: whether a run may go on without a lost device (``min_devices``): its engine can leave a
             broken group and form a new one of the survivors.
         sums_on_host: whether the step's sums run in host memory whatever the devices (a gloo group even
@@ -63,6 +64,7 @@ class Facts:
     versions: Callable[[], dict] = field(default=dict)
     shard_optimizer: bool = False
     shard_gradients: bool = False
+    shard_weights: bool = False
     elastic: bool = False
     sums_on_host: bool = False
     join_first: bool = False

@@ -27,11 +27,13 @@ __all__ = ["SetAside", "allowed"]
 
 def allowed(steps) -> bool:
     """Whether ``steps`` may set devices aside: automatic shares, a backend whose sums can leave ranks out (torch,
-    TensorFlow), no global BatchNorm statistics (their sums run inside the forward pass), no ``min_devices``."""
+    TensorFlow), no global BatchNorm statistics (their sums run inside the forward pass), no ``min_devices``, no
+    weights in parts (every rank's passes gather them)."""
     from multigpu import backend
 
     return (backend.facts().elastic and steps.balancer.options.auto and steps.comm.world_size > 1
-            and not steps.parallel.options.sync_batchnorm and getattr(steps.comm, "min_devices", None) is None)
+            and not steps.parallel.options.sync_batchnorm and getattr(steps.comm, "min_devices", None) is None
+            and not getattr(steps.parallel.options, "shard_weights", False))
 
 
 class SetAside:

@@ -116,6 +116,7 @@ class ShardedOptimizers:
         self.weights = list(weights) if weights is not None else memory_weights(
             self.device_memory(comm.runtime.devices))
         self._shards: dict[int, Shard] = {}  # by id of the optimizer that holds the state
+        self.parted: set[int] = set()  # the variables whose weights are in parts (``shard="weights"``), by id
 
     # ------------------------------------------------------------ the backend's part
     def device_memory(self, devices) -> list[int | None]:
@@ -189,6 +190,10 @@ class ShardedOptimizers:
         shard.dropped = True
         self._shards[id(inner)] = shard
 
+    def shard_of(self, optimizer) -> Shard | None:
+        """``optimizer``'s partition, once it is built in parts."""
+        return self._shards.get(id(holder(optimizer)))
+
     def before_step(self) -> None:
         """Lets go again of the parts not owned that a load filled (outside any traced function)."""
         for shard in self._shards.values():
@@ -248,8 +253,9 @@ class ShardedOptimizers:
             _compat.update_ema(opt)
 
     def updated(self, shard: Shard, variables: list) -> None:
-        """The new weights of the owned ``variables`` on every rank (a collective)."""
-        self.sum_owned([(v, v) for v in variables], shard, 7, "the updated weights")
+        """The new weights of the owned ``variables`` on every rank (a collective; weights in parts stay with
+        their owners)."""
+        self.sum_owned([(v, v) for v in variables if id(v) not in self.parted], shard, 7, "the updated weights")
 
     # ------------------------------------------------------------ whole state
     @contextlib.contextmanager

@@ -163,14 +163,18 @@ class StepsCore:
         footprint = Footprint.of(sizes, itemsizes, optimizer_slots(optimizer), owners(sizes, weights) if sizes else [],
                                  self.comm.world_size, optimizer.built)
         options, facts = self.parallel.options, backend.facts()
-        level = "gradients" if options.shard_gradients else "optimizer" if options.shard_optimizer else "whole"
+        level = ("weights" if getattr(options, "shard_weights", False) else "gradients" if options.shard_gradients
+                 else "optimizer" if options.shard_optimizer else "whole")
         levels = ["whole"]
         if facts.shard_optimizer and getattr(self.comm, "min_devices", None) is None:
             levels.append("optimizer")
             if (facts.shard_gradients and options.compression is None and not options.sync_batchnorm
                     and not options.overlap):
-                levels.append("gradients")
+                levels += ["gradients", "weights"] if facts.shard_weights else ["gradients"]
         self.memory.check_state(footprint, level, levels)
+
+    def fit_ends(self) -> None:
+        """At the end of ``fit`` (after its last epoch, on every rank): what held only during ``fit`` ends."""
 
     def steps_ahead(self, plan) -> int | None:
         """The steps of this ``fit`` left after this one at its local batch, where known (the shares settled, a

@@ -226,7 +226,10 @@ class DeviceMemory:
 
         def parts(at: str, r: int) -> str:
             state = footprint.state if at == "whole" else footprint.owned[r]
-            grads = "" if at == "gradients" else f"gradients {mib(footprint.gradients)}, "
+            grads = "" if at in ("gradients", "weights") else f"gradients {mib(footprint.gradients)}, "
+            if at == "weights":
+                grads = (f"a layer's weights {mib(footprint.largest)} at least, less the others' part of the "
+                         f"weights {mib(footprint.gradients - footprint.weights_owned[r])}, ")
             return f"{grads}optimizer state {mib(state)}"
 
         lines = [f"{devices[r].label} ({memory(r)}) has {mib(seen[r])} left after the weights, and the first step "
@@ -243,8 +246,7 @@ class DeviceMemory:
             advice = (f"No level this run may take fits ({', '.join(SPELLING[at] for at in levels)}); the least, "
                       f"{SPELLING[least]}, needs " + ", ".join(f"{mib(n)} more on {devices[r].label}"
                                                                for r, n in need.items()) +
-                      ". A part of the weights on each device (shard='weights', ZeRO stage 3) is not built: give "
-                      "those devices more memory, or train a smaller model.")
+                      ". Give those devices more memory, or train a smaller model.")
         raise ValueError(f"the training state does not fit at {SPELLING[level]}: {'; '.join(lines)}. {advice}")
 
     # ------------------------------------------------------------ ran out

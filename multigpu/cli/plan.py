@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                              parts)
         if most is not None:
             print(f"The largest model at {SPELLING[level]}: {most:,} trainable weights.")
-    print("On TensorFlow and JAX the gradients stay whole (shard='optimizer' is their most); a part of the weights "
-          "on each device (ZeRO stage 3) is not built. The steps' activations come on top of these figures: "
-          "`multigpu calibrate` measures the largest batch each device holds.")
+    print("On TensorFlow and JAX the gradients and weights stay whole (shard='optimizer' is their most). At "
+          "shard='weights' a device also gathers one layer's weights at a time. The steps' activations come on top "
+          "of these figures: `multigpu calibrate` measures the largest batch each device holds.")
     return 0

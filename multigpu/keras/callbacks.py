@@ -64,3 +64,4 @@ class EpochHooks(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.parallel.steps.driver.aside.fit_ends()
+        self.parallel.steps.fit_ends()

@@ -15,7 +15,6 @@ import warnings
 import keras
 import numpy as np
 
-from multigpu._keras import compat as _compat
 from multigpu.data.forms import as_arrays, input_kind, num_rows, validation_split
 from multigpu.data.host import Host
 from multigpu.data.sources import source_for
@@ -49,7 +48,21 @@ def _with_class_weight(y, sample_weight, class_weight, what: str):
                          f"sample_weight of type {type(sample_weight).__name__}, class_weight={class_weight!r}")
     if y is None:
         raise ValueError(f"{what}: `class_weight` needs targets `y`. Received: y=None")
-    return _compat.class_weight_to_sample_weights(y, class_weight)
+    return _class_weight_to_sample_weights(y, class_weight)
+
+
+def _class_weight_to_sample_weights(y, class_weight: dict):
+    """Per-row weights from ``class_weight``, as Keras computes them (sparse or one-hot ``y``)."""
+    import numpy as np
+
+    y_numpy = keras.ops.convert_to_numpy(y)
+    weights = np.ones((y_numpy.shape[0],), dtype=keras.backend.floatx())
+    if y_numpy.ndim > 1:
+        y_numpy = np.argmax(y_numpy, axis=-1) if y_numpy.shape[-1] != 1 else np.squeeze(y_numpy, axis=-1)
+    labels = np.round(y_numpy).astype("int64")
+    for i, label in enumerate(labels):
+        weights[i] = class_weight.get(int(label), 1.0)
+    return weights
 
 
 class Loops:

@@ -48,6 +48,7 @@ class Options:
     shard_optimizer: bool = False  # each rank holds and updates the optimizer state of a part of the weights
     # (resolved by parallelize: None becomes what the transport chose)
     shard_gradients: bool = False  # torch: the built-in step's gradients go into the sum's buffer, not kept
+    shard_weights: bool = False  # torch: each rank holds its part of the weights while fit runs
     replay: bool | None = None  # torch: False keeps Keras's own forward pass at every step
 
 
@@ -233,6 +234,7 @@ class ParallelModel:
                      [r / total for r in b.ratios], b.speeds, b.last_report, transport, b.options.caps,
                      b.quantum, self.steps.overlapping, list(self.lost),
                      list(self.joined), self.options.shard_optimizer,
+                     "weights" if self.options.shard_weights else
                      "gradients" if self.options.shard_gradients else
                      "optimizer" if self.options.shard_optimizer else None)
 

@@ -13,7 +13,12 @@ level (``parallelize`` argument)  gradients kept               optimizer state
 ``shard_optimizer=False``          ``T``                        ``S·T``
 ``shard="optimizer"``              ``T``                        ``S·t``
 ``shard="gradients"``              0 (written into the sum)     ``S·t``
+``shard="weights"``                0, and ``T - w`` let go      ``S·t``
 ===============================  ==========================  =============
+
+With ``shard="weights"`` the device lets go of the weights it does not own
+(``w``: the bytes of those it owns) and gathers one layer's at a time
+(at least the largest variable, ``L``, comes back): it adds ``S·t + L - (T - w)``.
 
 An optimizer already built holds its state already (nothing more is added).
 It is a lower bound: the step's activations, the sum's buffers between
@@ -29,8 +34,9 @@ from dataclasses import dataclass
 
 __all__ = ["LEVELS", "SPELLING", "Footprint", "holds", "largest_model"]
 
-LEVELS = ("whole", "optimizer", "gradients")
-SPELLING = {"whole": "shard_optimizer=False", "optimizer": "shard='optimizer'", "gradients": "shard='gradients'"}
+LEVELS = ("whole", "optimizer", "gradients", "weights")
+SPELLING = {"whole": "shard_optimizer=False", "optimizer": "shard='optimizer'", "gradients": "shard='gradients'",
+            "weights": "shard='weights'"}
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,15 @@ class Footprint:
         gradients: bytes of one copy of the gradients (the trainable weights' bytes).
         state: bytes of the whole optimizer state (0 where the optimizer is built: it is held already).
         owned: for each rank, bytes of the optimizer state of the part it owns when the state is in parts.
+        weights_owned: for each rank, bytes of the trainable weights it owns (``shard="weights"``).
+        largest: bytes of the largest trainable variable (what a layer's gather brings back at least).
     """
 
     gradients: int
     state: int
     owned: Sequence[int]
+    weights_owned: Sequence[int] = ()
+    largest: int = 0
 
     @classmethod
     def of(cls, sizes: Sequence[int], itemsizes: Sequence[int], slots: float, owner: Sequence[int],
@@ -57,12 +67,15 @@ class Footprint:
         for size, rank in zip(nbytes, owner):
             owned[rank] += size
         factor = 0.0 if built else float(slots)
-        return cls(sum(nbytes), int(factor * sum(nbytes)), [int(factor * o) for o in owned])
+        return cls(sum(nbytes), int(factor * sum(nbytes)), [int(factor * o) for o in owned], owned,
+                   max(nbytes, default=0))
 
     def adds(self, level: str, rank: int) -> int:
         """Bytes the first step adds on ``rank`` at ``level`` (one of :data:`LEVELS`)."""
         if level not in LEVELS:
             raise ValueError(f"`level` must be one of {', '.join(LEVELS)}. Received: {level!r}")
+        if level == "weights":
+            return int(self.owned[rank]) + self.largest - (self.gradients - int(self.weights_owned[rank]))
         kept = 0 if level == "gradients" else self.gradients
         return kept + (self.state if level == "whole" else int(self.owned[rank]))
 
@@ -74,6 +87,8 @@ def holds(level: str, weights: int, itemsize: int, slots: float, parts: Sequence
     so the parts are exact fractions)."""
     if level not in LEVELS:
         raise ValueError(f"`level` must be one of {', '.join(LEVELS)}. Received: {level!r}")
+    if level == "weights":  # its part of the weights and of their optimizer state (a layer's gather on top)
+        return [float(weights) * itemsize * part * (1 + slots) for part in parts]
     kept = 0 if level == "gradients" else 1
     return [float(weights) * itemsize * (1 + kept + slots * (1.0 if level == "whole" else part)) for part in parts]
 

@@ -1,7 +1,7 @@
 """A sharded optimizer (``shard_optimizer=True``) against one plain process, on torch and TensorFlow
 (``KERAS_BACKEND``).
 
-    python sharded.py MODES OUT [--plain] [--devices cpu:0,cpu:1] [--ratios 3,1] [--shard optimizer|gradients]
+    python sharded.py MODES OUT [--plain] [--devices cpu:0,cpu:1] [--ratios 3,1] [--shard optimizer|gradients|weights]
 
 MODES is a comma-separated list (or "all"); mode M writes OUT-M.npz (rank R > 0: OUT-M.npz.rankR.npz).
 
@@ -114,8 +114,8 @@ def features(a):
         set_random_seed(5)
         model, rank = parallel(small_model(), a)
         model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy")
-        if name == "ema" and keras.backend.backend() == "jax" and not a.plain:
-            try:  # refused on JAX, on every rank, before any step
+        if name == "ema" and (keras.backend.backend() == "jax" or a.shard == "weights") and not a.plain:
+            try:  # refused on JAX and with the weights in parts, on every rank, before any step
                 model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
             except ValueError as exc:
                 out["ema.refused"] = [str(exc)]
@@ -296,7 +296,7 @@ MODES = {"default": default, "features": features, "custom": custom, "gan": gan,
 
 def main():
     p = modes.parser()
-    p.add_argument("--shard", default="optimizer", choices=["optimizer", "gradients"])
+    p.add_argument("--shard", default="optimizer", choices=["optimizer", "gradients", "weights"])
     modes.run(MODES, p.parse_args())
 
 

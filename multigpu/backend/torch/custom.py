@@ -42,6 +42,12 @@ class OwnTrainStep:
         """One training step on this rank's rows of ``data``; returns the global logs."""
         steps = self.steps
         sync, memory = steps.sync, steps.memory
+        if steps.weights is not None and steps.weights.active and 0 in plan.sizes:  # (every rank raises)
+            raise ValueError(
+                "shard='weights' with a train_step of the model's own needs rows on every device at every step "
+                "(each device's passes gather the weights), and a device has none in this batch. Received: rows "
+                f"per device {list(plan.sizes)}. Use a global batch with rows for every device, or "
+                "shard='gradients'.")
         sync.attach(torch.from_numpy(memory.word()))
         sync.read_extras = memory.read_word
         try:

@@ -15,6 +15,7 @@ import keras
 import torch
 
 from multigpu import membership
+from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batch_rows, own_method
 from multigpu.backend.torch.batchnorm import average_statistics
 
@@ -40,6 +41,8 @@ class Evaluation:
             step = (keras.Model.test_step if self.user_test_step is None else self.user_test_step).__get__(self.model)
             with self.metrics.local_results():
                 logs_local = step(data)
+        elif self.weights is not None and self.weights.active:  # weights in parts: the layers' gathers, no rows
+            self.model(x, training=False) if _compat.call_has_training_arg(self.model) else self.model(x)
         return self._sum_logs(logs_local, rows, [], "test")
 
     def predict_step(self, data):

@@ -43,5 +43,5 @@ def _cpu_memory_environment(size: int) -> dict:
 
 
 FACTS = Facts("torch", grid=0, scan=True, gpu_count=_gpu_count, gpu_info=_gpu_info, versions=_versions,
-              shard_optimizer=True, shard_gradients=True, elastic=True,
+              shard_optimizer=True, shard_gradients=True, shard_weights=True, elastic=True,
               cpu_memory_environment=_cpu_memory_environment)

@@ -37,12 +37,12 @@ class Layout:
         their paths and shapes, below ``tag_mod``."""
         shapes, dtypes, offsets, names, offset = [], [], [], [], 0
         for v in variables:
-            value = v.value
-            shapes.append(value.shape)
-            dtypes.append(value.dtype)
+            shape = torch.Size(int(d) for d in v.shape)  # (Keras's shape: a weight in parts holds no values here)
+            shapes.append(shape)
+            dtypes.append(v.value.dtype)
             offsets.append(offset)
             names.append(getattr(v, "path", "?"))
-            offset += value.numel()
+            offset += shape.numel()
         signature = ";".join(f"{n}:{tuple(s)}" for n, s in zip(names, shapes)).encode()
         return cls(shapes, dtypes, offsets, offset, len(variables), zlib.crc32(signature) % tag_mod, names)
 

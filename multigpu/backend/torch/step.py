@@ -25,6 +25,7 @@ logs: :mod:`.evaluation`.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
@@ -45,6 +46,7 @@ from multigpu.backend.torch.metrics import ALL_METRICS, GlobalMetrics
 from multigpu.backend.torch.reducer import GradientSync
 from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
+from multigpu.backend.torch.weights import WeightsInParts
 from multigpu.balancing.caps import DeviceMemory
 
 __all__ = ["TorchSteps"]
@@ -72,7 +74,9 @@ class TorchSteps(Evaluation, StepsCore):
         # Global BatchNorm statistics run collectives inside the forward pass: Keras's own pass then.
         # A device of bounded memory keeps the recorded passes of two local batch sizes, not eight: each holds
         # memory the rows need (a CPU device given 44 MiB had 8 MiB of them, 80 rows of its batch).
-        self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm,
+        self.weights = (WeightsInParts(self.comm, parallel.ledger, model)
+                        if parallel.options.shard_weights else None)  # (gathered by each layer's call: not replayed)
+        self.forward = ForwardReplay(model, enabled=not self.sync_batchnorm and self.weights is None,
                                      replay=parallel.options.replay is not False,
                                      max_graphs=2 if self.memory.measured_here else 8)
         cls = type(model)
@@ -150,6 +154,8 @@ class TorchSteps(Evaluation, StepsCore):
                 logs = self._builtin_train(data, plan)
         finally:
             self.sync.end_step()
+            if self.weights is not None:
+                self.weights.release_all()
         self.sync.forget_kept()  # the step is done everywhere: no putting back its updates
         self.driver.done(plan, measured=not self._recorded)  # a step that recorded its forward pass: not timed
         self._recorded = False
@@ -160,9 +166,12 @@ class TorchSteps(Evaluation, StepsCore):
         model.zero_grad()
         trainable = model.trainable_weights[:]
         logs_local, short, cap = None, 0, 0
-        if plan.local > 0 or self.sync_batchnorm:  # (global statistics: a rank with no rows joins their sums)
+        parted = self.weights is not None and self.weights.active
+        if plan.local > 0 or self.sync_batchnorm or parted:  # (global statistics, weights in parts: a rank with no
+            # rows joins their collectives; with weights in parts a step that ran out of memory cannot be taken again)
             logs_local, short, cap = self.driver.local(
-                plan.local, lambda: self._forward_backward(data, plan, trainable), self._release)
+                plan.local, lambda: self._forward_backward(data, plan, trainable), self._release,
+                may_retry=not parted)
         extras = self.metrics.pack(logs_local, plan.local - short, self.driver.say(short, cap), "train")
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
@@ -213,6 +222,41 @@ class TorchSteps(Evaluation, StepsCore):
         if self.shards is not None and self.model.optimizer is not None:
             self._see_optimizers()
         super().prepare_optimizers()
+        optimizer = self.model.optimizer
+        if self.weights is not None and optimizer is not None and not self.weights.active:
+            if getattr(optimizer, "use_ema", False):
+                raise ValueError("shard='weights' cannot take an optimizer with `use_ema=True`: its averages are "
+                                 "updated from every weight, which each device holds only in part. Received: "
+                                 f"{type(optimizer).__name__}(use_ema=True). Use shard='gradients'.")
+            self._initialize()  # rank 0's weights everywhere before each rank lets go of the others' parts
+            shard = self.shards.shard_of(optimizer)
+            self.weights.begin(shard.variables, shard.owner)
+            self.shards.parted = {id(v) for g in self.weights.groups for v in g.variables}
+
+    def fit_ends(self) -> None:
+        """Weights in parts: every weight on every rank again, and the most each device held at once said."""
+        if self.weights is None or not self.weights.active:
+            return
+        self.weights.end()
+        reports = self.comm.gather_objects(self.weights.report(), "gathering the weights' figures")
+        self.balancer.log("the weights in parts: " + "; ".join(
+            f"{d.label} owned {_mib(r['owned'])} of {_mib(r['total'])} and held at most "
+            f"{_mib(r['peak'])} of the others' at once"
+            for d, r in zip(self.comm.runtime.devices, reports) if r is not None))
+
+    @contextlib.contextmanager
+    def whole_optimizers(self):
+        """The optimizers' whole state and every weight on every rank for the block (a collective)."""
+        with contextlib.ExitStack() as stack:
+            if self.weights is not None:
+                stack.enter_context(self.weights.whole())
+            stack.enter_context(super().whole_optimizers())
+            yield
+
+    def gather_optimizers(self) -> None:
+        if self.weights is not None:
+            self.weights.end()
+        super().gather_optimizers()
 
     def _see_optimizers(self) -> None:
         """Each optimizer, the first time it is seen: its ``apply`` sums for a step of the model's own (the
@@ -227,8 +271,13 @@ class TorchSteps(Evaluation, StepsCore):
 
     def _solo_rate(self, data, rows: int) -> tuple[float, float]:
         """Samples/s of forward and backward passes on this rank's batch, alone; every variable restored."""
-        model = self.model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        whole = self.weights.whole() if self.weights is not None else contextlib.nullcontext()
+        with whole:  # (weights in parts: each rank's passes alone, on every weight)
+            return self._solo_rate_whole(x, y, sample_weight, rows)
+
+    def _solo_rate_whole(self, x, y, sample_weight, rows: int) -> tuple[float, float]:
+        model = self.model
         variables = list(model.variables)
         saved = [v.value.detach().clone() for v in variables]
 
@@ -256,6 +305,10 @@ def _move_to(variables, device: torch.device) -> None:
             value = v.value
             if value.device != device:
                 value.data = value.data.to(device)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.3g} MiB"
 
 
 def _bucket_bytes(mb: float | None) -> int | None:

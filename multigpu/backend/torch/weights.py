@@ -1,0 +1,312 @@
+"""The weights in parts while ``fit`` runs (``parallelize(..., shard="weights")``; ZeRO stage 3) on torch.
+
+Each trainable weight belongs to one rank, the owner of its optimizer state
+(:mod:`multigpu.planning.partition`: parts follow each device's memory).
+While ``fit`` runs, a rank holds the weights it owns and lets go of the
+others (the ``torch.nn.Parameter`` keeps its identity, hooks and Keras
+shape; its ``.data`` holds no elements).  A layer's weights come back just
+for its ``call``, and again just before the backward pass reaches the
+layer, and go when it is done:
+
+1. forward: the layer's ``call`` (wrapped, noted in the model's ledger)
+   first gathers the layer's weights it does not hold, runs, and lets them
+   go; in a pass that builds a graph, each output the backward pass will
+   reach carries a hook;
+2. backward: the first of those hooks to fire (the gradient of the layer's
+   output is there, its own backward not yet run) gathers the weights
+   again, in the same ``Parameter`` objects the graph saved; each weight
+   goes once its gradient is accumulated (a post-accumulate hook, after
+   which no part of the graph reads it);
+3. the gradients are summed as with ``shard="gradients"``
+   (:mod:`.streamed`) and each owner updates its own weights (Keras's own
+   update, :mod:`multigpu.backend.sharding`); the new values reach nobody
+   until a pass gathers them.
+
+A gather is one collective per dtype in which each owner writes its values
+(on shared memory straight into the result, elsewhere a sum with zeros
+elsewhere, exact).  Every rank runs the same layers in the same order, so
+the gathers match; a rank with no rows runs its passes on no rows.  The
+collectives carry the layer's layout as their tag: a mismatch is an error
+naming both sides, never wrong weights.
+
+What stays whole on every rank: non-trainable weights, a weight with a
+regularizer or a constraint (Keras reads those outside the layer's call) and
+a weight no layer holds as its own.  Outside ``fit`` (and so for
+``evaluate``, ``predict``, ``get_weights``, saving and ``unparallelize``)
+every rank holds every weight: ``fit`` gathers them at its end.  Saving
+inside ``fit`` (``ModelCheckpoint``, ``BackupAndRestore``) gathers them for
+the save (:meth:`WeightsInParts.whole`). The first step's calibration of
+automatic shares runs on the whole weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator
+
+import keras
+import torch
+
+from multigpu._keras import compat as _compat
+
+__all__ = ["WeightsInParts", "parted_candidates"]
+
+_TAG_BASE = 40_000
+
+
+def parted_candidates(model) -> dict[int, object]:
+    """Each layer's own trainable variables that may be in parts, by id: those with neither regularizer nor
+    constraint (Keras reads those outside the layer's ``call``), once each."""
+    out: dict[int, object] = {}
+    for layer in _layers(model):
+        for v in _own_trainable(layer):
+            if getattr(v, "regularizer", None) is None and getattr(v, "constraint", None) is None:
+                out.setdefault(id(v), layer)
+    return out
+
+
+def _layers(model) -> list:
+    return [model, *_compat.flatten_layers(model)]
+
+
+def _own_trainable(layer) -> list:
+    return _compat.own_trainable_variables(layer)
+
+
+class _Group:
+    """One layer's variables in parts, and which of them this rank owns."""
+
+    __slots__ = ("index", "layer", "mine", "variables")
+
+    def __init__(self, index: int, layer, variables: list, mine: list[bool]) -> None:
+        self.index, self.layer, self.variables, self.mine = index, layer, variables, mine
+
+
+class WeightsInParts:
+    """The weights of one parallel model in parts while ``fit`` runs (see the module docstring).
+
+    Args:
+        comm: the run's collectives.
+        ledger: the model's ledger (notes the layers' wrapped ``call``).
+        model: the model.
+    """
+
+    def __init__(self, comm, ledger, model) -> None:
+        self.comm = comm
+        self.ledger = ledger
+        self.model = model
+        self.active = False
+        self.groups: list[_Group] = []  # one a layer holding weights in parts
+        self._group_of: dict[int, _Group] = {}  # id(variable) -> its group
+        self._mine: dict[int, bool] = {}  # id(variable) -> whether this rank owns it
+        self._tensor: dict[int, torch.Tensor] = {}  # id(variable) -> its torch Parameter
+        self._by_layer: dict[int, _Group] = {}  # id(layer) -> its group
+        self._by_tensor: dict[int, object] = {}  # id(torch tensor) -> its variable
+        self._present: set[int] = set()  # the variables in parts whose values every rank holds now
+        self._shapes: dict[int, tuple] = {}
+        self._hooked: set[int] = set()
+        self.held = 0  # bytes of weights not owned held now
+        self.peak = 0  # the most bytes of weights not owned held at once since fit began
+        self.owned_bytes = 0
+        self.total_bytes = 0
+
+    # ------------------------------------------------------------ fit
+    def begin(self, variables: list, owner: list[int]) -> None:
+        """From ``fit``'s start: each of ``variables`` (the optimizer's, in its order) that may be in parts is
+        held by its ``owner`` alone (``owner``: the optimizer state's partition)."""
+        candidates = parted_candidates(self.model)
+        rank = self.comm.rank
+        by_layer: dict[int, list] = {}
+        layer_of: dict[int, object] = {}
+        for v, o in zip(variables, owner):
+            layer = candidates.get(id(v))
+            if layer is not None:
+                by_layer.setdefault(id(layer), []).append((v, o == rank))
+                layer_of[id(layer)] = layer
+        self.groups, self._group_of, self._by_layer, self._by_tensor = [], {}, {}, {}
+        for key, pairs in by_layer.items():
+            group = _Group(len(self.groups), layer_of[key], [v for v, _ in pairs], [m for _, m in pairs])
+            self.groups.append(group)
+            self._by_layer[key] = group
+            for v, m in zip(group.variables, group.mine):
+                self._group_of[id(v)] = group
+                self._mine[id(v)] = m
+                tensor = self._tensor[id(v)] = v.value  # the Parameter itself (in a layer's call, a mixed
+                # precision policy's value is a cast copy)
+                self._by_tensor[id(tensor)] = v
+                if id(tensor) not in self._hooked:
+                    self._hooked.add(id(tensor))
+                    tensor.register_post_accumulate_grad_hook(functools.partial(_accumulated, weakref.ref(self)))
+                self._shapes[id(v)] = tuple(int(d) for d in v.shape)
+            self._wrap(group.layer)
+        self.total_bytes = sum(_bytes(self._tensor[id(v)], self._shapes[id(v)]) for g in self.groups
+                               for v in g.variables)
+        self.owned_bytes = sum(_bytes(self._tensor[id(v)], self._shapes[id(v)]) for g in self.groups
+                               for v, m in zip(g.variables, g.mine) if m)
+        self._present = {id(v) for g in self.groups for v in g.variables}
+        self.held = self.total_bytes - self.owned_bytes
+        self.active = True
+        self.release_all()
+        self.peak = 0
+
+    def end(self) -> None:
+        """At ``fit``'s end: every weight on every rank again (a collective)."""
+        if not self.active:
+            return
+        for group in self.groups:
+            self.gather(group)
+        self.active = False
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every weight on every rank for the block (a collective: a save inside ``fit``)."""
+        if not self.active:
+            yield
+            return
+        for group in self.groups:
+            self.gather(group)
+        self.active = False  # (the layers' calls and hooks leave the weights alone meanwhile)
+        try:
+            yield
+        finally:
+            self.active = True
+            self.release_all()
+
+    def report(self) -> dict:
+        """This rank's figures: the weights in parts' bytes, those it owns, and the most it held of the
+        others' at once."""
+        return {"total": self.total_bytes, "owned": self.owned_bytes, "peak": self.peak}
+
+    # ------------------------------------------------------------ gathering and letting go
+    def gather(self, group: _Group) -> None:
+        """The group's weights not present everywhere now, from their owners to every rank (a collective)."""
+        wanted = [(v, m) for v, m in zip(group.variables, group.mine) if id(v) not in self._present]
+        if not wanted:
+            return
+        by_dtype: dict[torch.dtype, list] = {}
+        for v, m in wanted:
+            by_dtype.setdefault(self._tensor[id(v)].dtype, []).append((v, m))
+        with torch.no_grad():
+            for dtype, pairs in by_dtype.items():
+                sizes = [_numel(self._shapes[id(v)]) for v, _ in pairs]
+                n = sum(sizes)
+                if self.comm.transport == "shm":
+                    buf = self.comm.buffer(n, dtype, disjoint=True)
+                else:  # gloo, NCCL: a buffer of its own (the step's sum keeps its buffers meanwhile), zeros
+                    buf = torch.zeros(n, dtype=dtype, device=self.comm.device)
+                offset = 0
+                for (v, m), size in zip(pairs, sizes):
+                    if m:
+                        buf[offset : offset + size].copy_(self._tensor[id(v)].detach().reshape(-1))
+                    offset += size
+                tag = _TAG_BASE + (group.index * 131 + n) % 20_000
+                summed = self.comm.reduce(
+                    buf, tag=tag, what="gathering a layer's weights",
+                    describe=lambda group=group, n=n: f"the weights of layer {group.layer.name!r} ({n} values)")
+                offset = 0
+                for (v, m), size in zip(pairs, sizes):
+                    if not m:
+                        shape = self._shapes[id(v)]
+                        self._tensor[id(v)].data = summed[offset : offset + size].view(shape).clone()
+                        self.held += size * summed.element_size()
+                    offset += size
+                    self._present.add(id(v))
+        self.peak = max(self.peak, self.held)
+
+    def release(self, variable) -> None:
+        """Lets go of ``variable``'s values on every rank but its owner (no collective)."""
+        key = id(variable)
+        if key not in self._present:
+            return
+        self._present.discard(key)
+        if not self._mine[key]:
+            value = self._tensor[key]
+            self.held -= value.numel() * value.element_size()
+            value.data = torch.empty(0, dtype=value.dtype, device=value.device)
+
+    def release_all(self) -> None:
+        """Lets go of every weight not owned (after a step's passes)."""
+        for group in self.groups:
+            for v in group.variables:
+                self.release(v)
+
+    # ------------------------------------------------------------ the layers' passes
+    def _wrap(self, layer) -> None:
+        if getattr(layer, "_multigpu_parts", None) is self:
+            return
+        keras_call = layer.call
+        parts = self
+
+        @functools.wraps(keras_call)
+        def call(*args, **kwargs):
+            group = parts._by_layer.get(id(layer))
+            if not parts.active or group is None:
+                return keras_call(*args, **kwargs)
+            if _compat.in_symbolic_scope():  # shapes only (Keras's build): zeros stand in, no collective
+                with parts._stand_ins(group):
+                    return keras_call(*args, **kwargs)
+            parts.gather(group)
+            try:
+                out = keras_call(*args, **kwargs)
+            finally:
+                for v in group.variables:
+                    if not (torch.is_grad_enabled() and parts._tensor[id(v)].requires_grad):
+                        parts.release(v)
+            if torch.is_grad_enabled():
+                parts._hook_backward(group, out)
+            return out
+
+        self.ledger.set(layer, "_multigpu_parts", self)
+        self.ledger.set(layer, "call", call)
+
+    @contextlib.contextmanager
+    def _stand_ins(self, group: _Group) -> Iterator[None]:
+        absent = [v for v in group.variables if not self._mine[id(v)] and id(v) not in self._present]
+        for v in absent:
+            t = self._tensor[id(v)]
+            t.data = torch.zeros(self._shapes[id(v)], dtype=t.dtype, device=t.device)
+        try:
+            yield
+        finally:
+            for v in absent:
+                t = self._tensor[id(v)]
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    def _hook_backward(self, group: _Group, out) -> None:
+        """Lets go of the group's weights now; they come back when the backward pass reaches the layer's
+        outputs, and go again once their gradients are accumulated."""
+        tensors = [t for t in keras.tree.flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        ref = weakref.ref(self)
+        for t in tensors:
+            t.register_hook(functools.partial(_before_backward, ref, group))
+        for v in group.variables:
+            self.release(v)
+
+
+def _before_backward(ref, group: _Group, grad) -> None:
+    """The backward pass reached a layer's output: its weights back first."""
+    parts = ref()
+    if parts is not None and parts.active:
+        parts.gather(group)
+
+
+def _accumulated(ref, tensor: torch.Tensor) -> None:
+    """A weight's gradient is accumulated: no part of the graph reads it any more."""
+    parts = ref()
+    if parts is not None and parts.active:
+        variable = parts._by_tensor.get(id(tensor))
+        if variable is not None:
+            parts.release(variable)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _bytes(tensor: torch.Tensor, shape: tuple) -> int:
+    return _numel(shape) * tensor.element_size()
