@@ -24,7 +24,8 @@ import atexit
 import os
 from pathlib import Path
 
-__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "memory_limit",
+__all__ = ["CpuQuota", "QuotaError", "cgroup_status", "give_back_memory", "limit_memory", "map_large_blocks",
+           "memory_limit",
            "private_memory", "remove_group_of", "reset_peak_memory", "resident_memory"]
 
 _ROOT = Path("/sys/fs/cgroup")
@@ -88,18 +89,23 @@ def give_back_memory() -> None:
         libc.malloc_trim(0)
 
 
-def limit_memory(size: int) -> int:
-    """Lets this process hold at most ``size`` more bytes of private memory than now; returns the limit.
-
-    Blocks of 1 MiB and more are mapped on their own (glibc's ``M_MMAP_THRESHOLD``, which otherwise grows
-    with the blocks freed), so that a freed tensor's memory goes back at once, as on a GPU's allocator,
-    instead of staying in the heap where the limit still counts it.
-    """
-    import resource
-
+def map_large_blocks() -> None:
+    """Blocks of 1 MiB and more mapped on their own from now on (glibc's ``M_MMAP_THRESHOLD``, which otherwise
+    grows with the blocks freed): a freed tensor's memory goes back at once, as on a GPU's allocator, instead of
+    staying in the heap (where ``RLIMIT_DATA`` still counts it, and the process's resident memory keeps it)."""
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def limit_memory(size: int) -> int:
+    """Lets this process hold at most ``size`` more bytes of private memory than now; returns the limit.
+
+    Blocks of 1 MiB and more are mapped on their own (:func:`map_large_blocks`).
+    """
+    import resource
+
+    map_large_blocks()
     limit = private_memory() + int(size)
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY:

@@ -1,7 +1,7 @@
 """One run of ``bench_sharding.py``: a dense model of about 30M weights trained with Adam, as a plain script.
 
     python benchmarks/optimizer_sharding/_script.py OUT.json --devices cpu:0,cpu:1 --ratios 1,1 \
-        [--shard none|optimizer|gradients]
+        [--shard none|optimizer|gradients|weights]
 
 Two epochs of ``--steps`` steps at global batch ``--batch``; rank 0 writes the second epoch's samples/s and
 each rank's peak resident memory (``VmHWM``) to OUT.json (ranks > 0 to OUT.json.rankR).
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", default="cpu:0,cpu:1")
     p.add_argument("--ratios", default="1,1")
-    p.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients"])
+    p.add_argument("--shard", default="none", choices=["none", "optimizer", "gradients", "weights"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--width", type=int, default=4096)

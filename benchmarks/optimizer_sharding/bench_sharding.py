@@ -5,7 +5,7 @@
 
 A dense model of 29.4M weights (2048 -> 4096 -> 4096 -> 1024 -> 10) trained with Adam for two epochs of
 12 steps at global batch 64, each run a plain ``python script.py`` (``_script.py``) in fresh processes:
-the whole state (``shard_optimizer=False``), ``shard="optimizer"`` and ``shard="gradients"`` (``--levels``;
+the whole state (``shard_optimizer=False``), ``shard="optimizer"``, ``"gradients"`` and ``"weights"`` (``--levels``;
 torch only) on 2 devices at 1:1 and on 3 devices at 1:2:5, interleaved, ``--rounds`` times.  Memory: the peak
 PSS of the whole process tree (the supervisor and every rank; shared pages counted once), sampled every 0.1 s,
 and each rank's own peak resident memory (``VmHWM``).  Speed: the second epoch's samples/s.  Adam's two
@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=["cpu:0,cpu:1=1,1", "cpu:0,cpu:1,cpu:2=1,2,5"])
     p.add_argument("--levels", nargs="+", default=["none", "optimizer", "gradients"],
-                   choices=["none", "optimizer", "gradients"])
+                   choices=["none", "optimizer", "gradients", "weights"])
     p.add_argument("--out", default=os.path.join(HERE, "sharding.json"))
     a = p.parse_args()
     start = time.monotonic()

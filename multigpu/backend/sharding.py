@@ -50,7 +50,12 @@ from collections.abc import Iterator, Sequence
 from multigpu._keras import compat as _compat
 from multigpu.planning.partition import memory_weights, owners, parts
 
-__all__ = ["Shard", "ShardedOptimizers", "holder"]
+__all__ = ["Shard", "ShardedOptimizers", "holder", "whole_size"]
+
+
+def whole_size(variable) -> int:
+    """How many values ``variable`` has (its Keras shape: a part not held here has them too)."""
+    return math.prod(int(d) for d in variable.shape)
 
 
 def holder(optimizer):
@@ -171,7 +176,7 @@ class ShardedOptimizers:
         inner = holder(optimizer)
         if optimizer.built or not variables:
             return
-        shard = Shard(inner, variables, [self.size(v) for v in variables], self.weights, self.comm.rank)
+        shard = Shard(inner, variables, [whole_size(v) for v in variables], self.weights, self.comm.rank)
         keras_add = type(inner).add_variable_from_reference.__get__(inner)
         empty = self.empty
 
@@ -216,7 +221,7 @@ class ShardedOptimizers:
         shard = self._shards.get(id(inner))
         if shard is None:
             variables = _compat.optimizer_variables(inner)
-            shard = self._shards[id(inner)] = Shard(inner, variables, [self.size(v) for v in variables],
+            shard = self._shards[id(inner)] = Shard(inner, variables, [whole_size(v) for v in variables],
                                                     self.weights, self.comm.rank)
         if not shard.dropped and not self.traced:
             self._drop(shard)
@@ -230,7 +235,7 @@ class ShardedOptimizers:
 
     def _zeros(self, shard: Shard) -> None:
         for slot, variable in shard.slots():
-            if id(variable) not in shard.mine and self.size(slot) != self.size(variable):
+            if id(variable) not in shard.mine and self.size(slot) != whole_size(variable):
                 self.resize(slot, variable, whole=True)
         shard.dropped = False
 
@@ -275,7 +280,7 @@ class ShardedOptimizers:
         self.gather()
         self.weights = list(weights)
         for key, shard in list(self._shards.items()):
-            new = Shard(shard.optimizer, shard.variables, [self.size(v) for v in shard.variables], self.weights,
+            new = Shard(shard.optimizer, shard.variables, [whole_size(v) for v in shard.variables], self.weights,
                         self.comm.rank)
             self._shards[key] = new
             self._drop(new)

@@ -195,6 +195,10 @@ class StepsCore:
         """The optimizers' whole state on every rank for the time of the block (a collective: every rank)."""
         return self.shards.whole() if self.shards is not None else contextlib.nullcontext()
 
+    def whole_weights(self) -> contextlib.AbstractContextManager:
+        """Every weight on every rank for the time of the block (weights in parts: a collective, every rank)."""
+        return contextlib.nullcontext()
+
     def gather_optimizers(self) -> None:
         """The optimizers' whole state on every rank from now on (a collective: every rank)."""
         if self.shards is not None:

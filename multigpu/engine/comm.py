@@ -45,7 +45,8 @@ def timeout_hint(seconds: float) -> str:
     """What follows a collective's timeout: its commonest cause, the fix, and how to wait longer."""
     return ("\nCommonest cause: a call every rank must make was made on some ranks only, e.g. under "
             "`if multigpu.rank() == 0:` (Keras's `model.save`, `save_weights`, `evaluate`, `predict`, or a "
-            "`ModelCheckpoint` callback given to one rank's fit), so the other ranks never reach it. Fix: make the "
+            "`ModelCheckpoint` callback given to one rank's fit; with shard='weights' any call of the model, whose "
+            "layers gather their weights, and `get_weights`), so the other ranks never reach it. Fix: make the "
             "call on every rank; multigpu writes files from rank 0 only. If a rank is only slow (loading data, a "
             f"long first step), give it longer than {seconds:g} s: `multigpu.parallelize(model, timeout=SECONDS)` "
             "or `multigpu run --timeout SECONDS`.")
@@ -259,6 +260,11 @@ class Comm:
         if buf is None:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=self.device)
         return buf.zero_() if disjoint else buf
+
+    def calls(self) -> int:
+        """How many sums ran through shared memory so far (0 elsewhere): their parity says which of its two sets
+        of buffers the next one writes."""
+        return 0 if self._shm is None else self._shm.seq
 
     def reduce(self, buf: torch.Tensor, *, tag: int = 0, what: str = "summing gradients",
                describe: Callable[[], str] | None = None) -> torch.Tensor:

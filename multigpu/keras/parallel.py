@@ -34,7 +34,7 @@ __all__ = ["ParallelModel", "State", "register_single", "state", "unparallelize"
 
 _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch", "save",
-                  "save_weights", "export", "summary")
+                  "save_weights", "export", "summary", "get_weights", "set_weights", "load_weights")
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,9 @@ class ParallelModel:
                                                                              **kw),
             "export": self.export,
             "summary": self.summary,
+            "get_weights": self.get_weights,
+            "set_weights": lambda weights: self.whole("set_weights", weights),
+            "load_weights": lambda filepath, *args, **kw: self.whole("load_weights", filepath, *args, **kw),
         }
         for name, method in methods.items():
             self.ledger.set(self.model, name, method)
@@ -211,6 +214,17 @@ class ParallelModel:
             kind = getattr(builtins, name, None)
             raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(message)
         return result
+
+    def get_weights(self) -> list:
+        """Keras's ``get_weights``; with the weights in parts (``shard="weights"``) a collective that gathers them:
+        every rank calls it."""
+        return self.whole("get_weights")
+
+    def whole(self, method: str, *args, **kwargs):
+        """Keras's ``method`` on the whole weights: with the weights in parts, gathered for the call (a collective:
+        every rank calls it; what a load writes into the others' parts is let go after it)."""
+        with self.steps.whole_weights():
+            return self.keras[method](*args, **kwargs)
 
     def export(self, filepath, format: str = "tf_saved_model", **kwargs):
         """Keras's ``export`` (a SavedModel by default) on rank 0, atomically; every rank returns once it is there."""

@@ -116,6 +116,10 @@ def rank_environment(rank: int, devices: Sequence, port: int, timeout: float | N
         given = env.copy()
         variables.update({k: v for k, v in backend.facts().cpu_memory_environment(dev.memory).items()
                           if k not in given})
+        if "MALLOC_MMAP_THRESHOLD_" not in given:  # glibc maps blocks of 1 MiB and more on their own from the
+            # start, as the limit sets later (throttle.limit_memory): what the script builds before it (the
+            # model's weights) goes back at once when let go (weights in parts), not to a heap the limit counts
+            variables["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     return variables
 
 

@@ -275,7 +275,11 @@ def _finish(code: int) -> None:
     # Bounded: a handler stuck in C++ (a collective with a vanished peer) must not keep the rank alive.
     timer = threading.Timer(_deadline_for_exit(), os._exit, args=(code or 1,))
     timer.daemon = True
-    timer.start()
+    try:
+        threading.stack_size(1 << 18)  # (a device given a size may have no room left for 8 MiB of stack)
+        timer.start()
+    except (RuntimeError, ValueError):  # no thread to be had: the exit goes on unbounded
+        pass
     try:
         atexit._run_exitfuncs()
     finally:

@@ -2,6 +2,7 @@
 
     python hub_tasks.py OUT.npz --plain          # one device, plain Keras
     multigpu run --devices cpu:0,cpu:1 --ratios 3,1 hub_tasks.py OUT.npz
+    ... [--optimizer sgd|adamw] [--shard optimizer|gradients|weights]
 
 Two tasks built from a config (no weights are downloaded), each trained 2
 epochs at global batch 32 on 90 rows (the last batch ragged) through the
@@ -12,7 +13,8 @@ the task's preprocessing:
   a small vocabulary): ``fit`` on strings with ``validation_data``, then
   ``evaluate`` and ``predict`` on strings;
 - a ``GPT2CausalLM`` without a preprocessor, on token arrays with the padding
-  mask as sample weight; then ``evaluate``, ``predict`` and, on rank 0,
+  mask as sample weight; then ``evaluate``, ``predict`` and, on rank 0 (on
+  every rank with ``--shard weights``: each layer gathers its weights),
   greedy ``generate``.
 
 Writes weights, History, evaluations, predictions, generated tokens and how
@@ -74,7 +76,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--shard", default=None, choices=["optimizer", "gradients", "weights"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     a = p.parse_args()
+
+    def optimizer():
+        if a.optimizer == "adamw":
+            return keras.optimizers.AdamW(1e-3, weight_decay=0.01)
+        return keras.optimizers.SGD(0.05)
+
     rng = np.random.default_rng(3)
     texts, labels = sentences(rng, ROWS)
     vtexts, vlabels = sentences(rng, 40)
@@ -86,7 +96,7 @@ def main() -> int:
         if not a.plain:
             import multigpu
 
-            model = multigpu.parallelize(model, timeout=90)
+            model = multigpu.parallelize(model, timeout=90, shard=a.shard)
             rank = multigpu.rank()
         return model
 
@@ -100,7 +110,7 @@ def main() -> int:
         return preprocess(*args, **kwargs)
 
     model.preprocess_samples = counted  # the task hands its grain pipeline this bound method
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(True),
+    model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(True),
                   metrics=["sparse_categorical_accuracy"])
     history = model.fit(texts, labels, batch_size=BATCH, epochs=2, validation_data=(vtexts, vlabels), verbose=0,
                         shuffle=False)
@@ -113,7 +123,7 @@ def main() -> int:
 
     keras.utils.set_random_seed(7)
     model = prepare(causal_lm())
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(True),
+    model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(True),
                   weighted_metrics=["sparse_categorical_accuracy"], sampler="greedy")
     routed = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
     keras_model = {n: vars(keras.Model).get(n) for n in routed}
@@ -128,7 +138,7 @@ def main() -> int:
     results["lm_evaluate"] = json.dumps(model.evaluate(x, y, sample_weight=sw, batch_size=BATCH, verbose=0,
                                                        return_dict=True))
     results["lm_predict"] = model.predict(x, batch_size=BATCH, verbose=0)
-    if rank == 0:
+    if rank == 0 or a.shard == "weights":  # (the weights in parts: every rank calls the model, each layer gathers)
         prompt = {"token_ids": x["token_ids"][:4], "padding_mask": x["padding_mask"][:4] & (np.arange(SEQ) < 3)}
         results["lm_generate"] = model.generate(prompt, stop_token_ids=None)["token_ids"]
     if not a.plain:  # Keras writes the task's own class; unparallelize gives the model its class back

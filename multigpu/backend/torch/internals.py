@@ -1,4 +1,5 @@
-"""The torch internals the replay (:mod:`multigpu.backend.torch.replay`) uses, in one place, checked.
+"""The torch internals the replay (:mod:`multigpu.backend.torch.replay`) and the weights in parts
+(:mod:`multigpu.backend.torch.weights`) use, in one place, checked.
 
 ``make_fx`` records the forward pass; an operation's ``OpOverload`` carries
 its schema (which arguments it writes, whether it draws random numbers); the
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OpOverload", "argument", "make_fx", "missing", "random_tag", "tree_flatten", "written_arguments"]
+__all__ = ["OpOverload", "argument", "make_fx", "missing", "random_tag", "storage_uses", "tree_flatten",
+           "written_arguments"]
 
 
 def missing() -> list[str]:
@@ -62,3 +64,13 @@ def argument(node, schema, name: str):
         if a.name == name:
             return node.args[i] if i < len(node.args) else node.kwargs.get(name)
     return None
+
+
+def storage_uses(tensor: torch.Tensor) -> int | None:
+    """How many holders ``tensor``'s storage has besides the one this call makes (``torch._C._storage_Use_Count``:
+    1 where ``tensor`` alone holds it, more where a view of it lives on, say in an autograd graph); None where this
+    torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(tensor.untyped_storage()._cdata)) - 1

@@ -36,6 +36,7 @@ from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import optimizers_of, own_method
 from multigpu.backend.driver import StepDriver
 from multigpu.backend.recovery import Recovery
+from multigpu.backend.sharding import whole_size
 from multigpu.backend.steps import StepsCore, time_alone
 from multigpu.backend.torch import optimizers as blockwise
 from multigpu.backend.torch.batchnorm import install_global_moments
@@ -48,6 +49,7 @@ from multigpu.backend.torch.replay import ForwardReplay
 from multigpu.backend.torch.sharding import ShardedOptimizers
 from multigpu.backend.torch.weights import WeightsInParts
 from multigpu.balancing.caps import DeviceMemory
+from multigpu.planning.partition import owners
 
 __all__ = ["TorchSteps"]
 
@@ -145,6 +147,8 @@ class TorchSteps(Evaluation, StepsCore):
         # With global BatchNorm statistics the backward pass crosses ranks, so each rank weights its own loss.
         # A step of the model's own sums its logs after its updates: in a run that may lose a rank it keeps what
         # they change, to take the step again after a loss in that sum.
+        if self.weights is not None:
+            self.weights.begin_step()
         self.sync.begin_step(1.0 if self.sync_batchnorm else plan.weight,
                              keep=self.comm.min_devices is not None and self.user_train_step is not None)
         try:
@@ -156,6 +160,8 @@ class TorchSteps(Evaluation, StepsCore):
             self.sync.end_step()
             if self.weights is not None:
                 self.weights.release_all()
+        if self.weights is not None:
+            self.weights.end_step()
         self.sync.forget_kept()  # the step is done everywhere: no putting back its updates
         self.driver.done(plan, measured=not self._recorded)  # a step that recorded its forward pass: not timed
         self._recorded = False
@@ -219,25 +225,25 @@ class TorchSteps(Evaluation, StepsCore):
         self.memory.release()
 
     def prepare_optimizers(self) -> None:
-        if self.shards is not None and self.model.optimizer is not None:
-            self._see_optimizers()
-        super().prepare_optimizers()
         optimizer = self.model.optimizer
+        if self.shards is not None and optimizer is not None:
+            self._see_optimizers()
         if self.weights is not None and optimizer is not None and not self.weights.active:
             if getattr(optimizer, "use_ema", False):
                 raise ValueError("shard='weights' cannot take an optimizer with `use_ema=True`: its averages are "
                                  "updated from every weight, which each device holds only in part. Received: "
                                  f"{type(optimizer).__name__}(use_ema=True). Use shard='gradients'.")
-            self._initialize()  # rank 0's weights everywhere before each rank lets go of the others' parts
-            shard = self.shards.shard_of(optimizer)
-            self.weights.begin(shard.variables, shard.owner)
+            self._initialize()  # rank 0's weights everywhere before each rank lets go of the others' parts,
+            # then the optimizer state of its own part is built (the partition is the optimizer's)
+            variables = list(self.model.trainable_variables)
+            self.weights.begin(variables, owners([whole_size(v) for v in variables], self.shards.weights))
             self.shards.parted = {id(v) for g in self.weights.groups for v in g.variables}
+        super().prepare_optimizers()
 
     def fit_ends(self) -> None:
-        """Weights in parts: every weight on every rank again, and the most each device held at once said."""
+        """Weights in parts: the most each device held at once, said (they stay in parts after ``fit``)."""
         if self.weights is None or not self.weights.active:
             return
-        self.weights.end()
         reports = self.comm.gather_objects(self.weights.report(), "gathering the weights' figures")
         self.balancer.log("the weights in parts: " + "; ".join(
             f"{d.label} owned {_mib(r['owned'])} of {_mib(r['total'])} and held at most "
@@ -252,6 +258,9 @@ class TorchSteps(Evaluation, StepsCore):
                 stack.enter_context(self.weights.whole())
             stack.enter_context(super().whole_optimizers())
             yield
+
+    def whole_weights(self):
+        return self.weights.whole() if self.weights is not None else contextlib.nullcontext()
 
     def gather_optimizers(self) -> None:
         if self.weights is not None:

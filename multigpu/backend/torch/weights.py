@@ -31,12 +31,13 @@ naming both sides, never wrong weights.
 
 What stays whole on every rank: non-trainable weights, a weight with a
 regularizer or a constraint (Keras reads those outside the layer's call) and
-a weight no layer holds as its own.  Outside ``fit`` (and so for
-``evaluate``, ``predict``, ``get_weights``, saving and ``unparallelize``)
-every rank holds every weight: ``fit`` gathers them at its end.  Saving
-inside ``fit`` (``ModelCheckpoint``, ``BackupAndRestore``) gathers them for
-the save (:meth:`WeightsInParts.whole`). The first step's calibration of
-automatic shares runs on the whole weights.
+a weight no layer holds as its own.  The weights stay in parts from the
+first ``fit`` on (``evaluate`` and ``predict`` gather a layer's for its
+call, as training does); the parallel model's ``save``, ``save_weights``
+and ``get_weights`` (and so ``ModelCheckpoint`` and ``BackupAndRestore``)
+gather them all for the call (:meth:`WeightsInParts.whole`: a collective,
+every rank calls it), and ``unparallelize`` gathers them for good.  The
+first step's calibration of automatic shares runs on the whole weights.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import keras
 import torch
 
 from multigpu._keras import compat as _compat
+from multigpu.backend.torch import internals
 
 __all__ = ["WeightsInParts", "parted_candidates"]
 
@@ -107,8 +109,13 @@ class WeightsInParts:
         self._present: set[int] = set()  # the variables in parts whose values every rank holds now
         self._shapes: dict[int, tuple] = {}
         self._hooked: set[int] = set()
+        self._calls = 0  # the shared-memory sums run when the step began
+        self._lent: dict[int, torch.Tensor] = {}  # id(variable) -> the room its gathered values are in
+        self._pool: dict[tuple, list[torch.Tensor]] = {}  # (values, dtype) -> rooms given back, for the next gather
+        self._pooled = 0  # bytes in the pool
+        self._largest = 0  # bytes of the largest layer's weights not owned here
         self.held = 0  # bytes of weights not owned held now
-        self.peak = 0  # the most bytes of weights not owned held at once since fit began
+        self.peak = 0  # the most bytes of weights not owned held at once (and rooms kept for them) since fit began
         self.owned_bytes = 0
         self.total_bytes = 0
 
@@ -116,6 +123,9 @@ class WeightsInParts:
     def begin(self, variables: list, owner: list[int]) -> None:
         """From ``fit``'s start: each of ``variables`` (the optimizer's, in its order) that may be in parts is
         held by its ``owner`` alone (``owner``: the optimizer state's partition)."""
+        from multigpu.throttle import map_large_blocks
+
+        map_large_blocks()  # (a layer's weights come and go twice a step: their memory goes back each time)
         candidates = parted_candidates(self.model)
         rank = self.comm.rank
         by_layer: dict[int, list] = {}
@@ -147,6 +157,8 @@ class WeightsInParts:
                                for v, m in zip(g.variables, g.mine) if m)
         self._present = {id(v) for g in self.groups for v in g.variables}
         self.held = self.total_bytes - self.owned_bytes
+        self._largest = max((sum(_bytes(self._tensor[id(v)], self._shapes[id(v)])
+                                 for v, m in zip(g.variables, g.mine) if not m) for g in self.groups), default=0)
         self.active = True
         self.release_all()
         self.peak = 0
@@ -158,6 +170,7 @@ class WeightsInParts:
         for group in self.groups:
             self.gather(group)
         self.active = False
+        self._lent, self._pool, self._pooled = {}, {}, 0
 
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
@@ -173,6 +186,20 @@ class WeightsInParts:
         finally:
             self.active = True
             self.release_all()
+
+    def begin_step(self) -> None:
+        """A training step begins (before its gradients' buffer is taken)."""
+        self._calls = self.comm.calls()
+
+    def end_step(self) -> None:
+        """A training step ended everywhere: an odd number of collectives in it (the gathers, the sum) is made even
+        with an empty one, so that every step's gradients go into the same one of shared memory's two sets of
+        buffers (each set's pages are memory the machine holds: alternating sets held both)."""
+        if self.active and (self.comm.calls() - self._calls) % 2:
+            buf = self.comm.buffer(1, torch.float32, disjoint=True)
+            if self.comm.rank == self.comm.leader:
+                buf.zero_()
+            self.comm.reduce(buf, tag=_TAG_BASE - 1, what="evening out a step's collectives")
 
     def report(self) -> dict:
         """This rank's figures: the weights in parts' bytes, those it owns, and the most it held of the
@@ -208,12 +235,14 @@ class WeightsInParts:
                 offset = 0
                 for (v, m), size in zip(pairs, sizes):
                     if not m:
-                        shape = self._shapes[id(v)]
-                        self._tensor[id(v)].data = summed[offset : offset + size].view(shape).clone()
+                        flat = self._take(size, dtype)
+                        flat.copy_(summed[offset : offset + size])
+                        self._lent[id(v)] = flat
+                        self._tensor[id(v)].data = flat.view(self._shapes[id(v)])
                         self.held += size * summed.element_size()
                     offset += size
                     self._present.add(id(v))
-        self.peak = max(self.peak, self.held)
+        self.peak = max(self.peak, self.held + self._pooled)
 
     def release(self, variable) -> None:
         """Lets go of ``variable``'s values on every rank but its owner (no collective)."""
@@ -225,6 +254,28 @@ class WeightsInParts:
             value = self._tensor[key]
             self.held -= value.numel() * value.element_size()
             value.data = torch.empty(0, dtype=value.dtype, device=value.device)
+            flat = self._lent.pop(key, None)
+            if flat is not None:
+                self._give_back(flat)
+
+    def _take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``n`` values' room: one given back before (no new pages to touch, the largest cost of a gather: a
+        layer's weights come twice a step), else new."""
+        kept = self._pool.get((n, dtype))
+        if kept:
+            flat = kept.pop()
+            self._pooled -= flat.numel() * flat.element_size()
+            return flat
+        return torch.empty(n, dtype=dtype, device=self.comm.device)
+
+    def _give_back(self, flat: torch.Tensor) -> None:
+        """Keeps ``flat`` for the next gather of its size when nothing else holds it (a view of it in an
+        autograd graph: it goes with the graph) and the pool holds less than the two largest layers."""
+        size = flat.numel() * flat.element_size()
+        if internals.storage_uses(flat) != 1 or self._pooled + size > 2 * self._largest:
+            return
+        self._pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
+        self._pooled += size
 
     def release_all(self) -> None:
         """Lets go of every weight not owned (after a step's passes)."""
