@@ -20,7 +20,10 @@ delay).  The ranks join with torchrun's variables over gloo, rank ``r`` on core
 * ``ddp``: a hand-written PyTorch DDP loop (buckets all-reduced during backward), equal shares;
 * ``ddp-bf16``: the same with DDP's ``bf16_compress_hook``;
 * ``auto-slow``: multigpu on ``cpu:0`` and ``cpu:1@0.5`` (a throttled device on
-  host 1, needs the cgroup quota), automatic shares.
+  host 1, needs the cgroup quota), automatic shares;
+* ``auto-park``: multigpu on ``cpu:0`` and ``cpu:1``, automatic shares, the steps over four epochs (a device
+  that does not pay is set aside from a fit's second epoch: the result says which, ``aside``);
+* ``alone``: the model on host 0's core alone, plain Keras (no link), the same steps.
 
 Models: ``dense21m`` (dense41m at width 0.57: 21.2M parameters, batch 256),
 ``convnet_head`` (the convnet's body at width 0.5 with a 4M-parameter dense head,
@@ -48,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.links import Link, unavailable  # noqa: E402
 
 MODELS = {"dense21m": ("dense41m", 0.57, 256), "convnet_head": ("convnet_head", 0.5, 256), "gru": ("gru", 1.0, 256)}
-CONFIGS = ("exact", "exact-after", "bf16", "fp16", "ddp", "ddp-bf16", "auto-slow")
+CONFIGS = ("exact", "exact-after", "bf16", "fp16", "ddp", "ddp-bf16", "auto-slow", "auto-park", "alone")
 STEPS = {"100mbit": (4, 2), "1gbit": (12, 3), "10gbit": (30, 5)}  # timed steps, warm-up steps
 
 
@@ -67,6 +70,11 @@ def _config(name: str, model: str, width: float, batch: int, steps: int, warmup:
         cfg.update(mode="ddp", compression=name.partition("-")[2] or None)
     elif name == "auto-slow":
         cfg.update(devices=["cpu:0", "cpu:1@0.5"], ratios="auto", steps=steps * 3, warmup=warmup * 4)
+    elif name == "auto-park":
+        cfg.update(ratios="auto", steps=steps * 4, warmup=steps * 2, epochs=4)
+    elif name == "alone":
+        cfg.update(mode="single", devices=["cpu:0"], cores=[0], ratios=None, steps=steps * 4, warmup=steps * 2,
+                   epochs=4)
     return cfg, extra
 
 
@@ -160,16 +168,24 @@ def main() -> int:
                 for round_ in range(a.rounds):
                     for name in configs:
                         cfg, extra = _config(name, model, width, batch, steps, warmup)
-                        res = run_one(link, cfg, extra, timeout=1200, backend=a.backend)
+                        if name == "alone":  # one host: no link, no rank to join
+                            from multigpu.bench.runs import run_config
+
+                            res = run_config(dict(cfg, env={"KERAS_BACKEND": a.backend, **extra}), 1200,
+                                             stream=False)
+                        else:
+                            res = run_one(link, cfg, extra, timeout=1200, backend=a.backend)
                         rows.setdefault(name, []).append(res)
                         print(f"  {rate:7s} {model_name:13s} round {round_ + 1} {name:12s} "
                               f"{res['samples_per_second']:8.1f} samples/s  gradient sum {_sum_share(res)}"
-                              + (f"  shares {res.get('shares')}" if name == "auto-slow" else ""), flush=True)
+                              + (f"  shares {res.get('shares')}" if name == "auto-slow" else "")
+                              + (f"  aside {res.get('aside')}, judgment {res.get('judgment')}"
+                                 if name == "auto-park" else ""), flush=True)
                 median = {n: sorted(rs, key=lambda r: r["samples_per_second"])[(len(rs) - 1) // 2]
                           for n, rs in rows.items()}  # the run whose shares and report are kept
                 results["runs"][f"{rate}/{model_name}" + ("/jax" if a.backend == "jax" else "")] = {
                     n: {"samples_per_second": statistics.median(r["samples_per_second"] for r in rows[n]),
-                        "shares": m.get("shares"),
+                        "shares": m.get("shares"), "aside": m.get("aside"), "judgment": m.get("judgment"),
                         "overlap": m.get("overlap"), "report": m.get("report"),
                         "rounds": [r["samples_per_second"] for r in rows[n]]} for n, m in median.items()}
     print("\n| link | model | " + " | ".join(configs) + " | exact / ddp | bf16 / ddp-bf16 |")

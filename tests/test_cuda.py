@@ -95,11 +95,12 @@ def test_a_real_cuda_out_of_memory_is_cut_again_and_stays_exact(runner, tmp_path
     assert json.loads(out.read_text())["error"] < TOLERANCE["sgd"]
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "weights"])
 def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner, shard):
     """The optimizer state in parts with a GPU rank beside a CPU rank (the weights gathered over gloo, the state
-    in CUDA and CPU tensors), and with ``shard="gradients"`` the GPU rank's gradients written into the sum's
-    buffer and not kept: every optimizer feature, against plain Keras on the GPU."""
+    in CUDA and CPU tensors), with ``shard="gradients"`` the GPU rank's gradients written into the sum's
+    buffer and not kept, and with ``shard="weights"`` each layer's weights gathered in CUDA and CPU tensors for
+    its passes (the EMA refused): every optimizer feature, against plain Keras on the GPU."""
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", **F32}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     plain = subprocess.run([sys.executable, str(SCRIPTS / "sharded.py"), "features", str(runner.tmp_path / "plain"),
@@ -113,12 +114,15 @@ def test_a_sharded_optimizer_on_a_gpu_and_a_cpu_device_matches_one_gpu(runner, s
     with np.load(runner.tmp_path / "plain-features.npz") as p, np.load(runner.tmp_path / "par-features.npz") as g:
         names = [k.split(".")[0] for k in p.files if k.endswith(".weights")]
         assert len(names) == 11
+        if shard == "weights":
+            assert "cannot take an optimizer with `use_ema=True`" in str(g["ema.refused"])
+            names.remove("ema")
         for name in names:
             tolerance = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}.get(name, 1e-3)
             assert max_relative_error([p[f"{name}.weights"]], [g[f"{name}.weights"]]) <= tolerance, name
             assert max_relative_error([p[f"{name}.state"]], [g[f"{name}.state"]]) <= tolerance, name
             assert int(g[f"{name}.held"]) < int(p[f"{name}.held"]), name
-            assert (int(g[f"{name}.gradients_kept"]) == 0) == (shard == "gradients"), name
+            assert (int(g[f"{name}.gradients_kept"]) == 0) == (shard in ("gradients", "weights")), name
 
 
 def _sees_a_gpu(backend: str) -> bool:

@@ -44,6 +44,30 @@ def test_a_device_that_pays_is_kept_and_one_that_does_not_is_set_aside_after_the
     assert judged(slow, slow, allowed=False).due == []  # fixed ratios, JAX, sync_batchnorm: never
     faster_second = epoch([40, 600], [0.1, 0.1], [0.4, 0.4])
     assert judged(faster_second, faster_second).due == []  # only the leader stays: a faster rank 1 keeps both
+    # the judgment's figures, as multigpu.state(model) reports them: kept, then set aside
+    kept = judged(pays, pays, solo=[6400.0, 6400.0]).judgment
+    assert kept["pays"] and kept["set_aside"] == [] and kept["device"] == "CPU:0"
+    assert kept["together"] == pytest.approx(5333.3, abs=0.1) and kept["alone"] < MARGIN * kept["together"]
+    assert judged(slow, slow).judgment == {"device": "CPU:0", "alone": 6000.0, "together": 1600.0, "pays": False,
+                                           "set_aside": ["CPU:1"]}
+    assert judged(slow).judgment is None  # nothing judged yet
+
+
+def test_multigpu_bench_names_the_devices_that_pay_from_its_epoch_report():
+    """``multigpu bench`` judges its run's epoch as automatic shares do (the same :meth:`Parking.verdict`)."""
+    from multigpu.cli.bench import _who_pays
+
+    def run(samples, compute, per_second):
+        return {"report": {"devices": [
+            {"device": d.label, "samples": s, "compute": c, "steps": 10, "samples_per_second": v,
+             "compute_samples_per_second": s / c} for d, s, c, v in zip(DEVICES, samples, compute, per_second)]}}
+
+    line, verdict = _who_pays(run([600, 40], [0.1, 0.1], [1500.0, 100.0]))  # a slow device's waits: 0.4 s
+    assert not verdict["pays"] and verdict["alone"] == 6000.0 and verdict["together"] == 1600.0
+    assert line.startswith("which devices pay: CPU:0 alone (CPU:1 does not): it would compute about 6000 samples/s")
+    line, verdict = _who_pays(run([320, 320], [0.1, 0.1], [2666.7, 2666.7]))
+    assert verdict["pays"] and line.startswith("which devices pay: all of them (CPU:0 alone would compute about 3200")
+    assert _who_pays({"report": None}) is None
 
 
 def test_aside_the_shares_move_and_the_trial_decides_the_return(monkeypatch):

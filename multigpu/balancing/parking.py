@@ -62,6 +62,7 @@ class Parking:
         self.tried = False  # this fit set devices aside once already
         self.together = 0.0  # the best throughput of the devices together in this fit
         self.alone_speed = 0.0  # the device left's compute speed at its share, when judged
+        self.judgment: dict | None = None  # the last judgment's figures (:meth:`verdict`), and what came of it
         self._epochs = 0
         self._alone = [0, 0.0]  # samples and seconds of the steps alone
 
@@ -86,10 +87,25 @@ class Parking:
         speeds = [s / c if c > 0 else 0.0 for s, c in zip(e["samples"], e["compute"])]
         if self._epochs < EPOCHS or max(range(n), key=speeds.__getitem__) != leader:
             return
-        alone = self.alone_estimate(e, leader, solo)
-        if alone >= MARGIN * self.together:
+        self.judgment = self.verdict(e, leader, solo, self.devices, self.together)
+        self.judgment["set_aside"] = []
+        if not self.judgment["pays"]:
             self.due = [r for r in range(n) if r != leader]
-            self.alone_speed = alone
+            self.alone_speed = self.judgment["alone"]
+            self.judgment["set_aside"] = [self.devices[r].label for r in self.due]
+
+    @classmethod
+    def verdict(cls, e: dict, leader: int, solo: Sequence[float] | None, devices: Sequence,
+                together: float | None = None) -> dict:
+        """Whether the devices pay at an epoch's totals ``e``: ``device`` (the fastest, ``leader``'s), ``alone``
+        (its samples/s alone, :meth:`alone_estimate`), ``together`` (the devices' samples/s, the best of the fit
+        where given) and ``pays`` (alone is not :data:`MARGIN` faster)."""
+        wall = max(e["wall"]) if e.get("wall") else 0.0
+        if together is None:
+            together = sum(e["samples"]) / wall if wall > 0 else 0.0
+        alone = cls.alone_estimate(e, leader, solo)
+        return {"device": devices[leader].label, "alone": round(alone, 1), "together": round(together, 1),
+                "pays": alone < MARGIN * together}
 
     @staticmethod
     def alone_estimate(e: dict, leader: int, solo: Sequence[float] | None) -> float:
@@ -145,6 +161,8 @@ class Parking:
             names = ", ".join(self.devices[r].label for r in self.parked)
             self._log(f"{names} back after epoch {epoch + 1}: alone ran {self.alone:.0f} samples/s, less than "
                       f"the {self.together:.0f} together")
+            if self.judgment is not None:
+                self.judgment.update(set_aside=[], alone_ran=round(self.alone, 1))
         self.parked = []
         ratios, self.kept_ratios = self.kept_ratios or [], None
         return ratios

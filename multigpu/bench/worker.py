@@ -64,7 +64,8 @@ def _fit_run(cfg: dict, spec) -> None:
         model = multigpu.parallelize(model, devices=cfg["devices"], ratios=cfg.get("ratios"), **kwargs)
         parallel = model if mode == "multigpu" else None
     spec.compile(model)
-    x, y = spec.data(batch * (steps + warmup), 0)
+    epochs = max(1, int(cfg.get("epochs", 1)))  # the steps over this many epochs (a judgment needs two)
+    x, y = spec.data(batch * max(1, (steps + warmup) // epochs), 0)
     phases = None
     if cfg.get("breakdown"):
         from multigpu.bench import breakdown
@@ -75,7 +76,7 @@ def _fit_run(cfg: dict, spec) -> None:
     if cfg.get("sweep"):
         sweep = _sweep_callback(parallel, cfg["sweep"], warmup, int(cfg["window_steps"]))
         callbacks.insert(0, sweep)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     if multigpu.rank() != 0:
         return
     rate = timer.rate()
@@ -90,7 +91,8 @@ def _fit_run(cfg: dict, spec) -> None:
     if parallel is not None:
         st = multigpu.state(model)
         result.update(ratios=st.ratios, shares=st.shares(batch), devices=[d.label for d in st.devices],
-                      report=st.last_report, transport=st.transport, overlap=st.overlap)
+                      report=st.last_report, transport=st.transport, overlap=st.overlap, aside=st.aside,
+                      judgment=st.judgment)
     _write(cfg, result)
 
 

@@ -119,6 +119,35 @@ def _where_time_goes(result: dict) -> list[str]:
     return lines
 
 
+def _who_pays(result: dict) -> tuple[str, dict] | None:
+    """Which devices pay at this model and batch, judged as automatic shares judge an epoch (the fastest
+    device's steps: fixed work and rows at its speed, grown to the whole batch, against the devices together;
+    :meth:`multigpu.balancing.parking.Parking.verdict`), from the run's epoch report; None without one."""
+    from types import SimpleNamespace
+
+    from multigpu.balancing.parking import MARGIN, Parking
+
+    rows = (result.get("report") or {}).get("devices") or []
+    if len(rows) < 2 or not all(r.get("samples") and r.get("samples_per_second") for r in rows):
+        return None
+    e = {"samples": [r["samples"] for r in rows], "compute": [r["compute"] for r in rows],
+         "wall": [r["samples"] / r["samples_per_second"] for r in rows], "steps": rows[0]["steps"]}
+    speeds = [r.get("compute_samples_per_second", 0.0) for r in rows]
+    leader = max(range(len(rows)), key=speeds.__getitem__)
+    verdict = Parking.verdict(e, leader, None, [SimpleNamespace(label=r["device"]) for r in rows])
+    others = ", ".join(r["device"] for i, r in enumerate(rows) if i != leader)
+    if verdict["pays"]:
+        line = (f"which devices pay: all of them ({verdict['device']} alone would compute about "
+                f"{verdict['alone']:.0f} samples/s at this batch, the devices together ran {verdict['together']:.0f})")
+    else:
+        line = (f"which devices pay: {verdict['device']} alone ({others} {'does' if len(rows) == 2 else 'do'} not): "
+                f"it would compute about "
+                f"{verdict['alone']:.0f} samples/s at this batch, at least {MARGIN:g}x the {verdict['together']:.0f} "
+                "the devices ran together; with ratios='auto' a fit sets them aside from its second epoch"
+                + ("" if leader == 0 else " (where the fastest device is rank 0: here it is not)"))
+    return line, verdict
+
+
 def _first_cores(config: dict) -> list[int]:
     from multigpu.devices import assign_cores, parse_devices
 
@@ -170,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
         ratio = main["samples_per_second"] / result["samples_per_second"]
         print(f"baseline {name} ({BASELINES[name]}): {result['samples_per_second']:.1f} samples/s; "
               f"multigpu is {ratio:.2f}x", flush=True)
+    judged = _who_pays(main)
+    if judged:
+        summary["judgment"] = judged[1]
+        print(judged[0], flush=True)
     single = summary["baselines"].get("single")
     if single and n > 1 and main["samples_per_second"] < single["samples_per_second"]:
         print(f"note: at a global batch of {batch} the {n} devices are slower than one device alone "

@@ -75,8 +75,14 @@ class State:
         joined: the lost devices that came back (``--max-restarts``), oldest first: ``rank``, ``device`` and
             ``at`` each.
         shard_optimizer: whether each device holds the optimizer state of a part of the weights only.
-        shard: how much of the training state is in parts: ``"gradients"`` (and the optimizer state),
-            ``"optimizer"``, or ``None``.
+        shard: how much of the training state is in parts: ``"weights"`` (and the gradients and the optimizer
+            state), ``"gradients"`` (and the optimizer state), ``"optimizer"``, or ``None``.
+        aside: the ranks whose devices are set aside now (automatic shares: they do not pay at this model and
+            batch; the balancing guide).
+        judgment: the last judgment of whether the devices pay (from a ``fit``'s second epoch, automatic shares),
+            if any: ``device`` (the fastest), ``alone`` (its estimated samples/s alone), ``together`` (the devices'
+            best samples/s together in the fit), ``pays`` and ``set_aside`` (the devices set aside for it; after
+            a trial alone that ran slower, empty again, with ``alone_ran``).
     """
 
     rank: int
@@ -93,6 +99,8 @@ class State:
     joined: list[dict] = field(default_factory=list)
     shard_optimizer: bool = False
     shard: str | None = None
+    aside: list[int] = field(default_factory=list)
+    judgment: dict | None = None
 
     def shares(self, batch_size: int) -> list[int]:
         """Rows per device of a global batch of ``batch_size`` rows."""
@@ -250,7 +258,8 @@ class ParallelModel:
                      list(self.joined), self.options.shard_optimizer,
                      "weights" if self.options.shard_weights else
                      "gradients" if self.options.shard_gradients else
-                     "optimizer" if self.options.shard_optimizer else None)
+                     "optimizer" if self.options.shard_optimizer else None,
+                     list(b.parking.parked), None if b.parking.judgment is None else dict(b.parking.judgment))
 
 
 def _is_parallel_model(model) -> bool:

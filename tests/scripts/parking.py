@@ -32,10 +32,12 @@ if mode == "two":
     model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios="auto")
 model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
-histories, reports = [], []
+histories, reports, aside = [], [], []
+watch = keras.callbacks.LambdaCallback(  # the devices set aside in each epoch, as multigpu.state says
+    on_epoch_end=lambda epoch, logs: aside.append(multigpu.state(model).aside if mode == "two" else None))
 for batch, epochs in ((64, 3), (128, 2)):
     h = model.fit(x[:512], y[:512], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
-                  validation_data=(x[512:], y[512:]))
+                  validation_data=(x[512:], y[512:]), callbacks=[watch])
     histories.append(h.history)
     reports.append(multigpu.state(model).last_report if mode == "two" else None)  # the fit's last epoch
 rank = multigpu.rank() if mode == "two" else 0
@@ -43,5 +45,6 @@ np.savez(f"{out}.rank{rank}.npz", *[np.asarray(w) for w in model.get_weights()])
 if rank == 0:
     state = multigpu.state(model) if mode == "two" else None
     with open(out, "w") as f:
-        json.dump({"histories": histories, "reports": reports,
+        json.dump({"histories": histories, "reports": reports, "aside": aside,
+                   "after": None if state is None else state.aside,
                    "ratios": None if state is None else list(state.ratios)}, f)
