@@ -171,21 +171,23 @@ def main() -> int:
                         if name == "alone":  # one host: no link, no rank to join
                             from multigpu.bench.runs import run_config
 
-                            res = run_config(dict(cfg, env={"KERAS_BACKEND": a.backend, **extra}), 1200,
-                                             stream=False)
+                            res = run_config(dict(cfg, env=dict(extra)), 1200, stream=False)
                         else:
                             res = run_one(link, cfg, extra, timeout=1200, backend=a.backend)
+                        if cfg.get("epochs", 1) > 1:  # the last two epochs' steps (a device set aside by then)
+                            late = res["step_times"][-2 * ((cfg["steps"] + cfg["warmup"]) // cfg["epochs"]):]
+                            res["late"] = batch * len(late) / sum(late)
                         rows.setdefault(name, []).append(res)
                         print(f"  {rate:7s} {model_name:13s} round {round_ + 1} {name:12s} "
                               f"{res['samples_per_second']:8.1f} samples/s  gradient sum {_sum_share(res)}"
                               + (f"  shares {res.get('shares')}" if name == "auto-slow" else "")
-                              + (f"  aside {res.get('aside')}, judgment {res.get('judgment')}"
-                                 if name == "auto-park" else ""), flush=True)
+                              + (f"  last two epochs {res['late']:.1f} samples/s" if "late" in res else "")
+                              + (f"  judgment {res.get('judgment')}" if name == "auto-park" else ""), flush=True)
                 median = {n: sorted(rs, key=lambda r: r["samples_per_second"])[(len(rs) - 1) // 2]
                           for n, rs in rows.items()}  # the run whose shares and report are kept
                 results["runs"][f"{rate}/{model_name}" + ("/jax" if a.backend == "jax" else "")] = {
                     n: {"samples_per_second": statistics.median(r["samples_per_second"] for r in rows[n]),
-                        "shares": m.get("shares"), "aside": m.get("aside"), "judgment": m.get("judgment"),
+                        "shares": m.get("shares"), "judgment": m.get("judgment"), "late": m.get("late"),
                         "overlap": m.get("overlap"), "report": m.get("report"),
                         "rounds": [r["samples_per_second"] for r in rows[n]]} for n, m in median.items()}
     print("\n| link | model | " + " | ".join(configs) + " | exact / ddp | bf16 / ddp-bf16 |")
