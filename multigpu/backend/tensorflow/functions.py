@@ -16,7 +16,12 @@
   around the sum, 3.7 to 4.0 ms as one).  It is None where a step must be
   taken again from between the two (a run that may lose a rank, a device
   that may run out of memory) or where XLA compiles them (it cannot call
-  into Python).
+  into Python);
+* ``alone`` is ``step`` for the one rank left while the others are set aside
+  (:mod:`multigpu.backend.parking`): its sum is its own vector, in the
+  graph, and the optimizer state it owns whole is shared with nobody, so the
+  step never leaves TensorFlow (traced on its first call, while the rank is
+  alone).
 
 A rank with no rows sends zeros and its unchanged metric states
 (:meth:`TrainFunctions.idle_parts`).
@@ -101,11 +106,17 @@ class TrainFunctions:
                 part.set_shape([None, *mine.shape[1:]])
             return apply(summed, tuple(gathered)), summed[vector.shape[0] + states.shape[0] :]
 
+        def alone(x, y, sample_weight, weight, tail):
+            vector, states, slices = local(x, y, sample_weight, weight)
+            summed = tf.concat([tf.cast(vector, tf.float32), states, tail], 0)  # (the sum over itself)
+            return apply(summed, slices), summed[vector.shape[0] + states.shape[0] :]
+
         self.local = steps._function(local)
         self.apply = steps._function(apply, jit=False if steps.shards is not None else None)  # XLA calls no Python
         fused = (not model.run_eagerly and not model.jit_compile and not steps.recovery.elastic
                  and not steps.memory.bounded)
         self.step = steps._function(step) if fused else None
+        self.alone = steps._function(alone) if fused and half is None else None
 
     def exchange(self, vector: np.ndarray, states: np.ndarray, tail: np.ndarray, *slices: np.ndarray):
         """The step's sum over ranks: weighted gradients, metric states and message (float32, the gradients in

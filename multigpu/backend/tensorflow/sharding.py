@@ -45,6 +45,8 @@ class ShardedOptimizers(_Neutral):
                                                        name=slot.name))
 
     def sum_owned(self, pairs: list[tuple[object, object]], shard: Shard, tag: int, what: str) -> None:
+        if self.comm.alone:  # (traced for the one rank left, which owns every part: nothing to share)
+            return
         by_dtype: dict[str, list[tuple[object, bool]]] = {}
         for variable, model_variable in pairs:
             by_dtype.setdefault(variable.dtype, []).append((variable, id(model_variable) in shard.mine))

@@ -192,7 +192,8 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         if self.global_batchnorm is not None:
             self.global_batchnorm.begin_step(1.0)  # the loss carries the weight
         if plan.local > 0 and fn.step is not None:
-            logs, message = fn.step(x, y, sample_weight, weight, tf.constant(self._message()))
+            step = fn.alone if self.comm.alone and fn.alone is not None else fn.step
+            logs, message = step(x, y, sample_weight, weight, tf.constant(self._message()))
             self.driver.finish(message.numpy())
         else:
             parts, short, cap = (None, 0, 0) if plan.local == 0 else self.driver.local(

@@ -56,6 +56,8 @@ class ShardedOptimizers(_Neutral):
         _compat.set_variable_storage(slot, torch.nn.Parameter(tensor, requires_grad=False))
 
     def sum_owned(self, pairs: list[tuple[object, object]], shard: Shard, tag: int, what: str) -> None:
+        if self.comm.alone:  # (the one rank left owns every part: nothing to share)
+            return
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, bool]]] = {}
         for variable, model_variable in pairs:
             tensor = variable.value
