@@ -43,7 +43,10 @@ def test_a_device_that_pays_is_kept_and_one_that_does_not_is_set_aside_after_the
     assert EPOCHS == 2 and p.due == [1] and p.alone_speed >= MARGIN * p.together
     assert judged(slow, slow, allowed=False).due == []  # fixed ratios, JAX, sync_batchnorm: never
     faster_second = epoch([40, 600], [0.1, 0.1], [0.4, 0.4])
-    assert judged(faster_second, faster_second).due == []  # only the leader stays: a faster rank 1 keeps both
+    assert judged(faster_second, faster_second).due == []  # only the leader stays: alone it would not pay here
+    # two equal devices whose second measured a little faster: the leader alone is judged all the same
+    even = epoch([320, 320], [0.1, 0.099], [0.4, 0.4])  # together 1,600/s; CPU:0 alone 3,200/s (no calibration)
+    assert judged(even, even).due == [1]
     # the judgment's figures, as multigpu.state(model) reports them: kept, then set aside
     kept = judged(pays, pays, solo=[6400.0, 6400.0]).judgment
     assert kept["pays"] and kept["set_aside"] == [] and kept["device"] == "CPU:0"

@@ -49,4 +49,5 @@ model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callb
 if mode != "auto" or multigpu.rank() == 0:
     with open(out, "w") as f:
         json.dump({"samples_per_second": batch * steps * LAST / sum(timer.times[-LAST:]), "epochs": timer.times,
+                   "judgment": multigpu.state(model).judgment if mode == "auto" else None,
                    "shares": list(multigpu.state(model).ratios) if mode == "auto" else [1.0]}, f)

@@ -1,6 +1,6 @@
 """Setting aside the devices that do not pay: the judgment (automatic shares only; the steps do the moves).
 
-When the fastest device alone computes faster than all the devices together
+When the first device (the leader) alone computes faster than all the devices together
 run (the sums and the waits cost more than the others add: a small model, a
 slow link, a device far slower than the rest), the others are set aside:
 from the next epoch they get no rows and leave the step's sum, which on the
@@ -11,12 +11,14 @@ back.  The judgment is the same on every rank (it reads the shared step
 records), so every rank moves at the same epoch boundary.
 
 * **Judged**: at the end of a fit's epochs, from the second on (:data:`EPOCHS`),
-  by what the fastest device would run alone (:meth:`Parking.alone_estimate`:
+  by what the leader's device would run alone (:meth:`Parking.alone_estimate`:
   its steps' time outside collectives, split into fixed work and its rows at
   its calibrated speed, the rows grown to the whole batch) against the best
   throughput the devices ran together in an epoch of this fit (its rows over
   its wall time), with :data:`MARGIN` to spare.  Only the leader (rank 0 while no rank was lost)
-  stays: a run whose fastest device is another keeps every device.
+  stays, judged alone whether or not it computes fastest (two equal devices: whichever measured a little
+  faster); where another device is much faster, the leader alone seldom beats them together, and every
+  device is kept.
 * **Tried**: while set aside, the device left measures its throughput alone;
   at the epoch's end it keeps the others aside when it ran at least as fast
   as they ran together, else they come back, and this ``fit`` does not set
@@ -84,8 +86,7 @@ class Parking:
         if self.forced:
             self.due = [r for r in range(n) if r != leader]
             return
-        speeds = [s / c if c > 0 else 0.0 for s, c in zip(e["samples"], e["compute"])]
-        if self._epochs < EPOCHS or max(range(n), key=speeds.__getitem__) != leader:
+        if self._epochs < EPOCHS:
             return
         self.judgment = self.verdict(e, leader, solo, self.devices, self.together)
         self.judgment["set_aside"] = []
@@ -97,7 +98,7 @@ class Parking:
     @classmethod
     def verdict(cls, e: dict, leader: int, solo: Sequence[float] | None, devices: Sequence,
                 together: float | None = None) -> dict:
-        """Whether the devices pay at an epoch's totals ``e``: ``device`` (the fastest, ``leader``'s), ``alone``
+        """Whether the devices pay at an epoch's totals ``e``: ``device`` (``leader``'s), ``alone``
         (its samples/s alone, :meth:`alone_estimate`), ``together`` (the devices' samples/s, the best of the fit
         where given) and ``pays`` (alone is not :data:`MARGIN` faster)."""
         wall = max(e["wall"]) if e.get("wall") else 0.0

@@ -120,7 +120,7 @@ def _where_time_goes(result: dict) -> list[str]:
 
 
 def _who_pays(result: dict) -> tuple[str, dict] | None:
-    """Which devices pay at this model and batch, judged as automatic shares judge an epoch (the fastest
+    """Which devices pay at this model and batch, judged as automatic shares judge an epoch (the first
     device's steps: fixed work and rows at its speed, grown to the whole batch, against the devices together;
     :meth:`multigpu.balancing.parking.Parking.verdict`), from the run's epoch report; None without one."""
     from types import SimpleNamespace
@@ -132,8 +132,7 @@ def _who_pays(result: dict) -> tuple[str, dict] | None:
         return None
     e = {"samples": [r["samples"] for r in rows], "compute": [r["compute"] for r in rows],
          "wall": [r["samples"] / r["samples_per_second"] for r in rows], "steps": rows[0]["steps"]}
-    speeds = [r.get("compute_samples_per_second", 0.0) for r in rows]
-    leader = max(range(len(rows)), key=speeds.__getitem__)
+    leader = 0  # (the device that stays when the others are set aside)
     verdict = Parking.verdict(e, leader, None, [SimpleNamespace(label=r["device"]) for r in rows])
     others = ", ".join(r["device"] for i, r in enumerate(rows) if i != leader)
     if verdict["pays"]:
@@ -143,8 +142,7 @@ def _who_pays(result: dict) -> tuple[str, dict] | None:
         line = (f"which devices pay: {verdict['device']} alone ({others} {'does' if len(rows) == 2 else 'do'} not): "
                 f"it would compute about "
                 f"{verdict['alone']:.0f} samples/s at this batch, at least {MARGIN:g}x the {verdict['together']:.0f} "
-                "the devices ran together; with ratios='auto' a fit sets them aside from its second epoch"
-                + ("" if leader == 0 else " (where the fastest device is rank 0: here it is not)"))
+                "the devices ran together; with ratios='auto' a fit sets them aside from its second epoch")
     return line, verdict
 
 
