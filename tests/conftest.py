@@ -109,6 +109,8 @@ OUTSIDE = {
         "gradient accumulation and TensorBoard from the same example stay; mixed precision runs in test_sharding",
     "test_exactness.py::test_parallel_run_matches_single_device[1,2,5-shm]":
         "3:1 over shared memory and 1:3 over gloo stay; three devices stay through tf.data and loaders at 1:2:5",
+    "test_reliability.py::test_every_failure_ends_the_run_within_its_timeout[sleep]":
+        "a rank that never reaches the collective ends the run within its timeout in the catch case, which stays",
     "test_exactness.py::test_compression_sends_16_bits_over_either_transport_and_stays_close[shm]":
         "compression over gloo (16-bit buckets during the backward pass, the same rounding as before shared memory) "
         "stays",
