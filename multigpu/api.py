@@ -145,9 +145,11 @@ def parallelize(
             while ``fit`` runs each device holds only the trainable weights
             it owns; a layer's weights are gathered for its ``call`` and
             again before its backward pass, and let go after (no forward
-            pass replay; the first step's calibration and saves inside
-            ``fit`` run on the whole weights; ``fit`` ends with every
-            weight on every device).  Default (``None``):
+            pass replay; the first step's calibration runs on the whole
+            weights). They stay in parts after ``fit``: ``save``,
+            ``save_weights``, ``get_weights``, ``set_weights`` and
+            ``load_weights`` gather them for the call, so every rank makes
+            it, as every call of the model.  Default (``None``):
             ``shard_optimizer``'s.
 
     Returns:
