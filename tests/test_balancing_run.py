@@ -33,7 +33,7 @@ def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(ru
     assert runner.leftovers() == []
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+@pytest.mark.parametrize("backend", ["torch", "tensorflow", "jax"])
 def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend):
     """MULTIGPU_PARK=force sets CPU:1 aside after each fit's first epoch: its epochs have no rows and no sum, the
     metrics stay global, and at a larger batch in the next fit it trains again: weights and logs equal one

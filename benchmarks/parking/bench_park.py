@@ -67,6 +67,10 @@ def main() -> None:
                     got[mode].append(res)
                     extra = (f", shares {'/'.join(f'{v:.0%}' for v in res['shares'])}, set aside {res['aside']}x, "
                              f"back {res['back']}x") if mode != "single" else ""
+                    j = res.get("judgment")
+                    if mode == "auto" and j:  # the judgment's figures (multigpu.state(model).judgment)
+                        extra += (f" (judged: alone {j['alone']:.0f} to {j.get('ceiling', j['alone']):.0f}, "
+                                  f"together {j['together']:.0f}{', a trial' if j.get('trial') else ''})")
                     print(f"{backend} {case} round {r + 1} {mode:>6}: {res['samples_per_second']:8.0f} samples/s"
                           f"{extra}", flush=True)
             single = statistics.median(v["samples_per_second"] for v in got["single"])

@@ -83,16 +83,19 @@ class Group(Protocol):
     def shared_seed(self) -> int:
         """A random number the leader draws, the same on every rank."""
 
+    @property
+    def members(self) -> list[int]:
+        """The ranks in the group now, in order (every rank, where the group cannot shrink)."""
+
+    def share(self, obj: Any, src: int, what: str) -> Any:
+        """Rank ``src``'s ``obj`` (any picklable value) on every rank."""
+
 
 @runtime_checkable
 class ElasticGroup(Group, Protocol):
     """A group that goes on without a lost rank and takes a restarted one back (``Facts.elastic``)."""
 
     min_devices: int | None
-
-    @property
-    def members(self) -> list[int]:
-        """The ranks in the group now, in order."""
 
     @property
     def generation(self) -> int:
@@ -109,9 +112,6 @@ class ElasticGroup(Group, Protocol):
 
     def welcome(self, message: Any) -> Any:
         """The survivors: let the waiting ranks in and hand them ``message``."""
-
-    def share(self, obj: Any, src: int, what: str) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
 
 
 @runtime_checkable

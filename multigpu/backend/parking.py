@@ -1,4 +1,4 @@
-"""Devices set aside and taken back, on the steps of a backend whose sums can leave ranks out (torch, TensorFlow).
+"""Devices set aside and taken back, on the steps of every backend (their sums can leave ranks out).
 
 The judgment is :mod:`multigpu.balancing.parking`'s; this module makes the
 moves, at epoch boundaries, where every rank runs the same hooks
@@ -26,12 +26,10 @@ __all__ = ["SetAside", "allowed"]
 
 
 def allowed(steps) -> bool:
-    """Whether ``steps`` may set devices aside: automatic shares, a backend whose sums can leave ranks out (torch,
-    TensorFlow), no global BatchNorm statistics (their sums run inside the forward pass), no ``min_devices``, no
-    weights in parts (every rank's passes gather them)."""
-    from multigpu import backend
-
-    return (backend.facts().elastic and steps.balancer.options.auto and steps.comm.world_size > 1
+    """Whether ``steps`` may set devices aside: automatic shares, steps whose sums can leave ranks out
+    (:meth:`~multigpu.backend.steps.StepsCore.can_set_aside`), no global BatchNorm statistics (their sums run inside
+    the forward pass), no ``min_devices``, no weights in parts (every rank's passes gather them)."""
+    return (steps.can_set_aside() and steps.balancer.options.auto and steps.comm.world_size > 1
             and not steps.parallel.options.sync_batchnorm and getattr(steps.comm, "min_devices", None) is None
             and not getattr(steps.parallel.options, "shard_weights", False))
 

@@ -264,6 +264,12 @@ class StepsCore:
         return out
 
     # ------------------------------------------------ devices set aside (multigpu/backend/parking.py)
+    def can_set_aside(self) -> bool:  # whether these steps can leave ranks out of their sums (every backend's can)
+        return True
+
+    def stand_still(self, logs):  # what a training step set aside returns, from its last ``attempt``'s result
+        return logs
+
     def forget_results(self) -> None:
         """The last step's global results forgotten: the next ``get_metrics_result`` sums over every rank."""
 

@@ -15,14 +15,22 @@ records), so every rank moves at the same epoch boundary.
   its steps' time outside collectives, split into fixed work and its rows at
   its calibrated speed, the rows grown to the whole batch) against the best
   throughput the devices ran together in an epoch of this fit (its rows over
-  its wall time), with :data:`MARGIN` to spare.  Only the leader (rank 0 while no rank was lost)
+  its wall time): with :data:`MARGIN` to spare, the others are set aside.  The
+  fixed work measured together may hold costs a step alone does not pay (the
+  host round trip of TensorFlow's sum), so the estimate is a floor; its ceiling
+  is the rows alone at the device's speed, with no fixed work
+  (:meth:`Parking.alone_ceiling`).  Where the floor does not clear the margin but
+  the ceiling reaches the together figure, the others are set aside to try:
+  only a measurement alone tells.  Where even the ceiling falls short, every
+  device is kept.  Only the leader (rank 0 while no rank was lost)
   stays, judged alone whether or not it computes fastest (two equal devices: whichever measured a little
   faster); where another device is much faster, the leader alone seldom beats them together, and every
   device is kept.
 * **Tried**: while set aside, the device left measures its throughput alone;
   at the epoch's end it keeps the others aside when it ran at least as fast
   as they ran together, else they come back, and this ``fit`` does not set
-  them aside again.
+  them aside again (a trial that lost costs one epoch at the device's speed
+  alone, which its ceiling put near the together figure).
 * **Back**: at every ``fit``'s end (the next ``fit`` judges again, at its
   batch), or when the trial lost.
 
@@ -99,14 +107,18 @@ class Parking:
     def verdict(cls, e: dict, leader: int, solo: Sequence[float] | None, devices: Sequence,
                 together: float | None = None) -> dict:
         """Whether the devices pay at an epoch's totals ``e``: ``device`` (``leader``'s), ``alone``
-        (its samples/s alone, :meth:`alone_estimate`), ``together`` (the devices' samples/s, the best of the fit
-        where given) and ``pays`` (alone is not :data:`MARGIN` faster)."""
+        (its samples/s alone, :meth:`alone_estimate`), ``ceiling`` (:meth:`alone_ceiling`), ``together`` (the
+        devices' samples/s, the best of the fit where given), ``pays`` (False: the others are set aside) and
+        ``trial`` (they are set aside to try: the estimate does not clear :data:`MARGIN`, its ceiling reaches
+        the together figure)."""
         wall = max(e["wall"]) if e.get("wall") else 0.0
         if together is None:
             together = sum(e["samples"]) / wall if wall > 0 else 0.0
-        alone = cls.alone_estimate(e, leader, solo)
-        return {"device": devices[leader].label, "alone": round(alone, 1), "together": round(together, 1),
-                "pays": alone < MARGIN * together}
+        alone, ceiling = cls.alone_estimate(e, leader, solo), cls.alone_ceiling(e, leader, solo)
+        sure = alone >= MARGIN * together
+        trial = not sure and together > 0 and ceiling >= together
+        return {"device": devices[leader].label, "alone": round(alone, 1), "ceiling": round(ceiling, 1),
+                "together": round(together, 1), "pays": not (sure or trial), "trial": trial}
 
     @staticmethod
     def alone_estimate(e: dict, leader: int, solo: Sequence[float] | None) -> float:
@@ -116,13 +128,28 @@ class Parking:
         every second of a step is taken to grow with its rows (a lower bound)."""
         steps, rows, compute = e["steps"], e["samples"][leader], e["compute"][leader]
         batch = sum(e["samples"]) / steps
-        if not rows or compute <= 0:
+        per_row = Parking._per_row(e, leader, solo)
+        if per_row is None:
             return 0.0
+        fixed = max(0.0, compute - rows * per_row) / steps
+        return batch / (fixed + batch * per_row)
+
+    @staticmethod
+    def alone_ceiling(e: dict, leader: int, solo: Sequence[float] | None) -> float:
+        """Samples/s of ``leader``'s device alone were a step its rows only (no fixed work): what a step alone
+        could reach at most, at the per-row cost :meth:`alone_estimate` uses."""
+        per_row = Parking._per_row(e, leader, solo)
+        return 1.0 / per_row if per_row else 0.0
+
+    @staticmethod
+    def _per_row(e: dict, leader: int, solo: Sequence[float] | None) -> float | None:
+        rows, compute = e["samples"][leader], e["compute"][leader]
+        if not rows or compute <= 0:
+            return None
         per_row = compute / rows
         if solo and solo[leader] > 0:
             per_row = min(per_row, 1.0 / solo[leader])
-        fixed = max(0.0, compute - rows * per_row) / steps
-        return batch / (fixed + batch * per_row)
+        return per_row
 
     # ------------------------------------------------------------- the moves
     def park(self, ratios: Sequence[float], epoch: int) -> list[float]:
@@ -133,9 +160,16 @@ class Parking:
         out = [0.0 if r in self.parked else float(v) for r, v in enumerate(ratios)]
         left = [r for r in range(len(out)) if r not in self.parked]
         names = ", ".join(self.devices[r].label for r in self.parked)
-        why = (f"{self.devices[left[0]].label} alone computes {self.alone_speed:.0f} samples/s where the {len(out)} "
-               f"devices ran {self.together:.0f} together (the sums and waits cost more than they add)"
-               if not self.forced else f"{env.PARK}=force")
+        first = self.devices[left[0]].label
+        if self.forced:
+            why = f"{env.PARK}=force"
+        elif self.judgment is not None and self.judgment.get("trial"):
+            why = (f"to try {first} alone, which would compute {self.alone_speed:.0f} to "
+                   f"{self.judgment['ceiling']:.0f} samples/s (its fixed work alone unknown) where the {len(out)} "
+                   f"devices ran {self.together:.0f} together")
+        else:
+            why = (f"{first} alone computes {self.alone_speed:.0f} samples/s where the {len(out)} "
+                   f"devices ran {self.together:.0f} together (the sums and waits cost more than they add)")
         self._log(f"{names} set aside from epoch {epoch + 1}: {why}; back at the next fit(), or at this epoch's end "
                   "if alone runs slower")
         return out
@@ -162,8 +196,8 @@ class Parking:
             names = ", ".join(self.devices[r].label for r in self.parked)
             self._log(f"{names} back after epoch {epoch + 1}: alone ran {self.alone:.0f} samples/s, less than "
                       f"the {self.together:.0f} together")
-            if self.judgment is not None:
-                self.judgment.update(set_aside=[], alone_ran=round(self.alone, 1))
+            if self.judgment is not None:  # measured: together is faster
+                self.judgment.update(set_aside=[], alone_ran=round(self.alone, 1), pays=True)
         self.parked = []
         ratios, self.kept_ratios = self.kept_ratios or [], None
         return ratios

@@ -138,6 +138,13 @@ def _who_pays(result: dict) -> tuple[str, dict] | None:
     if verdict["pays"]:
         line = (f"which devices pay: all of them ({verdict['device']} alone would compute about "
                 f"{verdict['alone']:.0f} samples/s at this batch, the devices together ran {verdict['together']:.0f})")
+    elif verdict["trial"]:
+        low, high = f"{verdict['alone']:.0f}", f"{verdict['ceiling']:.0f}"
+        span = f"{low} to {high}" if low != high else f"about {low}"
+        line = (f"which devices pay: perhaps {verdict['device']} alone: it would compute {span} samples/s at this "
+                f"batch, the devices together ran {verdict['together']:.0f}; with ratios='auto' a fit sets {others} "
+                f"aside from its second epoch to try, and takes {'it' if len(rows) == 2 else 'them'} back after an "
+                "epoch alone ran slower")
     else:
         line = (f"which devices pay: {verdict['device']} alone ({others} {'does' if len(rows) == 2 else 'do'} not): "
                 f"it would compute about "

@@ -53,7 +53,12 @@ class Comm:
     leader = 0
     joining = False
     rejoined = False
-    alone = False  # (JAX's steps never leave a rank out of their sums)
+    alone = False  # the step's sums over this rank only: the others set aside (multigpu.backend.parking)
+
+    @property
+    def members(self) -> list[int]:
+        """Every rank (the group never shrinks)."""
+        return list(range(self.world_size))
 
     def on_regroup(self, listener) -> None:
         """Takes a listener for new groups of survivors, which this backend never forms."""
@@ -70,9 +75,12 @@ class Comm:
 
     # ------------------------------------------------------- the step's sum
     def reduce(self, vector, what: str = "summing gradients") -> np.ndarray:
-        """The sum over ranks of a 1-D array (NumPy or JAX, on this process's device), as NumPy."""
+        """The sum over ranks of a 1-D array (NumPy or JAX, on this process's device), as NumPy; alone (the
+        other ranks set aside), the array itself: no collective."""
         import jax
 
+        if self.alone:
+            return np.array(vector)
         with self.fatal(what):
             local = jax.device_put(vector, self.device).reshape(1, -1)
             rows = jax.make_array_from_single_device_arrays((self.world_size, local.shape[1]), self._rows,
@@ -130,6 +138,10 @@ class Comm:
         mine[self.rank, : data.size] = data
         everyone = self.reduce(mine.reshape(-1), what).reshape(self.world_size, width)
         return [pickle.loads(everyone[r, : int(sizes[r])].tobytes()) for r in range(self.world_size)]
+
+    def share(self, obj, src: int, what: str):
+        """Rank ``src``'s ``obj`` (any picklable value) on every rank."""
+        return self.gather_objects(obj if self.rank == src else None, what)[src]
 
     def check_same(self, value: int, what: str) -> None:
         """Raises the same error on every rank when the ranks disagree on ``value`` (data lengths)."""

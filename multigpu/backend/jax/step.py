@@ -268,6 +268,19 @@ class JaxSteps(Evaluation, StepsCore):
         self.driver.done(plan, measured=not self._compiled)  # a step that compiled: not timed
         return logs, (trainable, non_trainable, optimizer, metrics)
 
+    # Devices set aside (multigpu/backend/parking.py): the rank left sums over itself (its comm is alone).
+    def can_set_aside(self) -> bool:
+        """Not with the optimizer state in parts: its parts live in the compiled step's state, which Keras passes
+        through ``fit`` (they would not move to the rank left)."""
+        return not self.parallel.options.shard_optimizer
+
+    def stand_still(self, logs):
+        """A step set aside: the last step's logs, and the state as Keras passed it in (nothing changed)."""
+        return logs[0], self._state
+
+    def forget_results(self) -> None:
+        self._fresh = None
+
     def _message(self, short: int = 0, cap: int = 0) -> np.ndarray:
         """This rank's step message (:meth:`StepDriver.say <multigpu.backend.driver.StepDriver.say>`), float32."""
         return np.asarray(self.driver.say(short, cap), np.float32)

@@ -80,6 +80,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self._train: TrainFunctions | None = None
         self._test = self._predict = None
         self._applied = False  # the update function has been traced (by the first training step)
+        self._traced: set = set()  # the fused step functions called so far (the first call of each traces it)
         self._local_results = False  # inside a step run eagerly: metric results are this rank's own
         self.recovery = Recovery(self)
         # A GPU by its allocator's statistics; a CPU device given a size by the process (TensorFlow's CPU
@@ -138,7 +139,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
     # ---------------------------------------------------------- training
     def _build_train(self) -> None:
         self._train = TrainFunctions(self)
-        self._applied = False
+        self._applied, self._traced = False, set()
 
     def _train_function(self, iterator):
         return self._batches(self._train_batch, iterator)[-1]
@@ -193,6 +194,8 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             self.global_batchnorm.begin_step(1.0)  # the loss carries the weight
         if plan.local > 0 and fn.step is not None:
             step = fn.alone if self.comm.alone and fn.alone is not None else fn.step
+            traced = traced or step not in self._traced  # (the first step alone traces its own function)
+            self._traced.add(step)
             logs, message = step(x, y, sample_weight, weight, tf.constant(self._message()))
             self.driver.finish(message.numpy())
         else:
