@@ -188,7 +188,16 @@ class JaxSteps(Evaluation, StepsCore):
             trainable, optimizer = model.optimizer.stateless_apply(optimizer, grads, trainable)
             return trainable, optimizer, self._results(summed, metric_refs, n_grads)
 
+        def alone(trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, tail):
+            """The whole step of the one rank left while the others are set aside: its vector is the sum, so the
+            update follows in the same compiled function (no host round trip); returns the message too."""
+            vector, non_trainable, metrics = local(trainable, non_trainable, metrics, optimizer, x, y,
+                                                   sample_weight, weight, tail)
+            trainable, optimizer, logs = apply(trainable, optimizer, vector)
+            return trainable, optimizer, non_trainable, metrics, logs, vector[n_grads + n_states :]
+
         self._local = jax.jit(local, donate_argnums=(1, 2))
+        self._alone = jax.jit(alone, donate_argnums=(0, 1, 2, 3))
         self._idle = jax.jit(idle)
         self._idle_exchanging = jax.jit(idle_exchanging, donate_argnums=(1,))
         self._apply = jax.jit(apply, donate_argnums=(0, 1))
@@ -238,6 +247,8 @@ class JaxSteps(Evaluation, StepsCore):
         self._compiled = False
         self.timing.begin()
         weight = np.float32(plan.weight)
+        if self.comm.alone and plan.local > 0 and self.half is None and self._kept is None:
+            return self._train_alone(state, x, y, sample_weight, weight, plan)
         if self.exchange is not None:
             self.exchange.begin_step(plan.weight, plan.local > 0)
         if plan.local > 0:
@@ -269,6 +280,19 @@ class JaxSteps(Evaluation, StepsCore):
         return logs, (trainable, non_trainable, optimizer, metrics)
 
     # Devices set aside (multigpu/backend/parking.py): the rank left sums over itself (its comm is alone).
+    def _train_alone(self, state, x, y, sample_weight, weight, plan):
+        """A step of the one rank left (the others set aside; no memory bound, no compression): one compiled
+        function, as one device's step in plain Keras."""
+        trainable, non_trainable, optimizer, metrics = state
+        out = self._timed_first("alone", plan.local, lambda: self._alone(
+            trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, self._message()))
+        trainable, optimizer, non_trainable, metrics, logs, tail = jax.block_until_ready(out)
+        tail = np.asarray(tail)
+        self.driver.heard(tail)
+        self.driver.finish(tail)
+        self.driver.done(plan, measured=not self._compiled)
+        return logs, (trainable, non_trainable, optimizer, metrics)
+
     def can_set_aside(self) -> bool:
         """Not with the optimizer state in parts: its parts live in the compiled step's state, which Keras passes
         through ``fit`` (they would not move to the rank left)."""
