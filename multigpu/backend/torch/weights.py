@@ -41,7 +41,7 @@ call, as training does); the parallel model's ``save``, ``save_weights``,
 first step's calibration of automatic shares runs on the whole weights.
 
 A gather's values go into room kept from an earlier gather of that size
-when nothing else holds it (at most the two largest layers' worth): new
+when nothing else holds it (at most the largest layer's worth): new
 pages at every gather ran the 29.4M-weight model of
 ``benchmarks/optimizer_sharding/`` at 175.8 samples/s, kept room at 247.7.
 Room of which an autograd graph still holds a view goes with the graph
@@ -278,9 +278,10 @@ class WeightsInParts:
 
     def _give_back(self, flat: torch.Tensor) -> None:
         """Keeps ``flat`` for the next gather of its size when nothing else holds it (a view of it in an
-        autograd graph: it goes with the graph) and the pool holds less than the two largest layers."""
+        autograd graph: it goes with the graph) and the pool stays within the largest layer: a room kept
+        beside the largest layer's gather would raise the peak, which that gather and its gradient set."""
         size = flat.numel() * flat.element_size()
-        if internals.storage_uses(flat) != 1 or self._pooled + size > 2 * self._largest:
+        if internals.storage_uses(flat) != 1 or self._pooled + size > self._largest:
             return
         self._pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
         self._pooled += size
