@@ -5,6 +5,8 @@
     ... benchmarks/bench_overhead.py --suite transformers     # keras-hub BERT and GPT-2 at batch 64 and 256
     ... benchmarks/bench_overhead.py --suite applications     # keras.applications models at batch 64
     KERAS_BACKEND=tensorflow ... benchmarks/bench_overhead.py --suite tensorflow   # against MirroredStrategy
+    ... benchmarks/bench_overhead.py --cases mlp:0.5:64:80 --configs single,mg2 --backends torch,tensorflow
+        # backends side by side: each round runs every configuration on each backend in turn
 
 For each case (model:width:global batch), one after another, each configuration in fresh
 processes (``multigpu.bench.runs.run_config``), devices ``cpu:0`` and ``cpu:1`` (one core each), in
@@ -79,15 +81,21 @@ TENSORFLOW_CONFIGS = ["single", "mg1", "mg2", "tf-mirrored"]
 BASELINE_NAMES = ("ddp", "keras-ddp", "tf-mirrored")
 
 
-def run_case(case: str, steps_scale: float, configs: list[str], rounds: int, breakdown: bool = True) -> dict:
-    """Every configuration ``rounds`` times, one after another in each round; the median rate of each."""
+def run_case(case: str, steps_scale: float, configs: list[str], rounds: int, breakdown: bool = True,
+             backends: list[str] | None = None) -> dict:
+    """Every configuration ``rounds`` times, one after another in each round; the median rate of each.  With
+    ``backends``, each configuration runs on each of them in every round (named ``config@backend``)."""
     model, width, batch, steps = case.split(":")
     out = {"model": model, "width": float(width), "batch": int(batch), "runs": {}}
-    tried: dict[str, list[dict]] = {name: [] for name in configs}
+    names = [f"{c}@{b}" for b in backends for c in configs] if backends else configs
+    tried: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(rounds):
-        for name in configs:
-            cfg = dict(CONFIGS[name], model=model, width=float(width), batch=int(batch),
+        for name in names:
+            config, _, backend = name.partition("@")
+            cfg = dict(CONFIGS[config], model=model, width=float(width), batch=int(batch),
                        steps=max(4, round(int(steps) * steps_scale)), warmup=3, seed=0)
+            if backend:
+                cfg["env"] = {**cfg.get("env", {}), "KERAS_BACKEND": backend}
             if not breakdown:
                 cfg.pop("breakdown", None)
             t0 = time.monotonic()
@@ -114,6 +122,18 @@ def ratio_table(results: list[dict], configs: list[str]) -> str:
                      + "".join(f"{s['mg2'] / s[b]:.2f}x | " for b in baselines)
                      + f"{s['mg1'] / s['single']:.2f}x | "
                      + ", ".join(f"{s[k]:.0f}" for k in ("single", "mg2", *baselines)) + " |")
+    return "\n".join(lines)
+
+
+def backends_table(results: list[dict], backends: list[str]) -> str:
+    """mg2 over one device on each backend, measured in the same rounds."""
+    lines = ["| model | batch | " + " | ".join(f"{b}: mg2 / single (samples/s)" for b in backends) + " |",
+             "|---|---:|" + "---:|" * len(backends)]
+    for r in results:
+        s = {k: v["samples_per_second"] for k, v in r["runs"].items()}
+        lines.append(f"| {r['model']} (width {r['width']:g}) | {r['batch']} | " + " | ".join(
+            f"{s[f'mg2@{b}'] / s[f'single@{b}']:.2f}x ({s[f'mg2@{b}']:.0f} / {s[f'single@{b}']:.0f})"
+            for b in backends) + " |")
     return "\n".join(lines)
 
 
@@ -147,6 +167,8 @@ def main() -> int:
                    help="comma-separated, of " + ",".join(CONFIGS) + " (default: " + ",".join(DEFAULT_CONFIGS)
                    + "; on TensorFlow " + ",".join(TENSORFLOW_CONFIGS) + ")")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every case's timed steps")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated Keras backends to run every configuration on, side by side")
     p.add_argument("--rounds", type=int, default=3, help="runs of every configuration; the median counts")
     p.add_argument("--no-breakdown", action="store_true",
                    help="no phase timers (they cost single, mg1 and mg2 a little, and the baselines nothing)")
@@ -158,11 +180,16 @@ def main() -> int:
     start = time.monotonic()
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
     cases = a.cases or SUITES[a.suite]
-    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds, breakdown)
-               for c in cases]
-    if {"single", "mg1", "mg2"} <= set(configs):
+    backends = a.backends.split(",") if a.backends else None
+    if backends:
+        breakdown = False  # the tables below read plain configuration names
+    results = [run_case(c if c.count(":") == 3 else c + ":30", a.steps_scale, configs, a.rounds, breakdown,
+                        backends) for c in cases]
+    if backends and {"single", "mg2"} <= set(configs):
+        print("\n" + backends_table(results, backends))
+    elif {"single", "mg1", "mg2"} <= set(configs):
         print("\n" + ratio_table(results, configs))
-    if {"mg2", "mg2-keras"} <= set(configs):
+    if not backends and {"mg2", "mg2-keras"} <= set(configs):
         print("\n" + replay_table(results))
     if breakdown:
         print("\nmilliseconds per step (rank 0):\n" + breakdown_table(results))

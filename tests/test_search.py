@@ -363,3 +363,33 @@ def test_a_settled_search_stays_settled_until_throughput_falls_several_windows_i
     events = drive(search, (100, 50), (1.0, 1.0), alarms)
     assert events[0].kind == "restart" and not search.settled
     assert f"fell {alarms} windows in a row" in events[0].reason and "noise" in events[0].reason
+
+
+def test_a_move_away_from_the_speeds_balance_must_win_by_more():
+    """The TensorFlow demo (issue 65): on a machine that sped up during two moves, each measured 3% to 5% above
+    the kept shares and was kept, and the run settled at 77%/23% with the slow device waiting 35% of a step.
+    Throughput compares windows taken at different times; the compute times compare the devices within the
+    same steps.  A move whose windows leave them further out of balance than the kept shares' must now win by
+    ``strict_factor`` margins; the same gain toward the balance is kept."""
+    from multigpu.balancing.tuning import Tuning
+
+    def run(start, gain, tuning=None):
+        search = ShareSearch([start, 1 - start], 512, scan=(), tuning=tuning or Tuning(), fixed_costs=False)
+        events = []
+        for _ in range(12):
+            shares = capped_split(512, search.ratios)
+            moved = shares != capped_split(512, search.base)
+            rate = 5000.0 * (1 + gain if moved else 1.0)
+            compute = (10 * shares[0] / 3500, 10 * shares[1] / 1750)  # the compute speeds call for 67%/33%
+            events += search.observe(Window(tuple(search.ratios), 5120, 5120 / rate, compute,
+                                            tuple(10 * b for b in shares)))
+        return [e for e in events if e.kind == "keep"]
+
+    margin = 0.005  # ShareSearch.noise_floor: the windows at the kept shares measure alike
+    # At the balance every move leads away from it: a gain of 1.5 margins does not keep one, 3 margins do.
+    assert not run(0.67, 1.5 * margin)
+    assert run(0.67, 3 * margin)
+    assert run(0.67, 1.5 * margin, Tuning(away_imbalance=10.0))  # without the rule, 1.5 margins kept it
+    # Off the balance, the move toward it is kept on 1.5 margins.
+    kept = run(0.80, 1.5 * margin)
+    assert kept and kept[0].after[0] < 0.80, kept

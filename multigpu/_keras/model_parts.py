@@ -29,6 +29,8 @@ __all__ = ["batch_rows", "batchnorm_layers", "batchnorm_statistics", "build_opti
 
 def batch_rows(x) -> int:
     """Rows of the first input array of ``x`` (0 when it has none)."""
+    if hasattr(x, "shape") and len(x.shape):
+        return int(x.shape[0])  # one array, the common case, at every step
     for leaf in keras.tree.flatten(x):
         if leaf is not None:
             return int(leaf.shape[0])

@@ -31,7 +31,7 @@ from multigpu.balancing.tally import EpochTally, StepsWindow
 from multigpu.balancing.timing import StepRecord, format_report
 from multigpu.balancing.windows import Event
 from multigpu.planning.plan import StepPlanner
-from multigpu.planning.shares import capped_split
+from multigpu.planning.shares import split_once
 
 __all__ = ["BalanceOptions", "LoadBalancer", "describe_shares"]
 
@@ -188,7 +188,7 @@ class LoadBalancer:
     # ------------------------------------------------------------- queries
     def shares(self, total: int) -> list[int]:
         """Rows per rank of a global batch of ``total`` rows, by the current ratios."""
-        return capped_split(total, self.ratios, self.options.caps, self.quantum)
+        return list(split_once(total, tuple(self.ratios), tuple(self.options.caps or ()) or None, self.quantum))
 
     @property
     def quantum(self) -> int:

@@ -124,6 +124,7 @@ class ShareSearch(Settling):
         self._jumps: set[tuple[int, ...]] = set()  # where this search has jumped to
         self._judged: list[tuple[tuple[float, ...], float, int]] = []  # moves undone since the last kept one
         self._confirm: tuple[tuple[float, ...], tuple[int, int] | None, list[float], float] | None = None  # _confirmed
+        self._kept_imbalance: float | None = None  # the compute times' imbalance at the kept shares' last window
 
     @property
     def phase(self) -> str:
@@ -200,6 +201,7 @@ class ShareSearch(Settling):
             return self._rebase(throughput)
         if speeds is not None:
             self._costs.add(window)
+        self._kept_imbalance = _imbalance(window)
         self.figures.add(throughput)
         if self.settled:
             return self._watch(throughput)
@@ -300,18 +302,33 @@ class ShareSearch(Settling):
             return [event]
         self._trial_runs.append(throughput)
         measured = statistics.fmean(self._trial_runs)
-        margin = self.figures.margin(len(self._trial_runs), self.tuning.strict_factor if self._strict else 1.0)
+        strictness = (self.tuning.strict_factor if self._strict else 1.0) * self._away_factor()
+        margin = self.figures.margin(len(self._trial_runs), strictness)
         if measured > before * (1 + margin) and len(self._trial_runs) < 2:
             return []  # looks better: one more window to confirm before keeping it
         self._trial = None
-        strict, self._strict = self._strict, False
+        self._strict = False
         runs, self._trial_runs = self._trial_runs, []
         self.ratios = self.base
         if measured > before * (1 + margin):
             # Looks better: the kept shares are measured once more before the move is kept.
-            self._confirm = (trial, pair, runs, self.tuning.strict_factor if strict else 1.0)
+            self._confirm = (trial, pair, runs, strictness)
             return [Event("recheck", trial, self.base, before, measured, f"{measured / before - 1:+.1%}")]
         return self._undo(trial, pair, before, measured, len(runs))
+
+    def _away_factor(self) -> float:
+        """How many margins a move must win by: ``strict_factor`` where its windows leave the devices' compute
+        times further out of balance than the kept shares' (beyond ``tie_imbalance``), else 1.
+
+        The compute times compare the devices within the same steps, so a drift of the whole machine does not
+        move them; throughput compares windows taken at different times, and a machine that speeds up during
+        a move makes it look better.  A move away from the balance is kept only on the stronger evidence.
+        """
+        now = _imbalance(self._window) if self._window is not None else None
+        kept = self._kept_imbalance
+        if now is None or kept is None:
+            return 1.0
+        return self.tuning.strict_factor if now > max(kept, 1.0 + self.tuning.away_imbalance) else 1.0
 
     def _confirmed(self, throughput: float) -> list[Event]:
         """The kept shares measured again after a move looked better: the move is kept only if it still beats them.
@@ -322,6 +339,8 @@ class ShareSearch(Settling):
         """
         trial, pair, runs, strictness = self._confirm  # type: ignore[misc]
         self._confirm = None
+        if self._window is not None:
+            self._kept_imbalance = _imbalance(self._window)
         self.figures.add(throughput)
         before = self.figures.robust()
         measured = statistics.fmean(runs)
@@ -364,3 +383,11 @@ class ShareSearch(Settling):
         if self._undone >= self.patience:
             return [undo, *self._settle(f"{self._undone} moves in a row did not pay")]
         return [undo]
+
+
+def _imbalance(window: Window) -> float | None:
+    """The slowest device's compute time over the fastest's in ``window`` (devices with rows), or None."""
+    times = [t for t, n in zip(window.compute, window.local) if n > 0]
+    if len(times) < 2 or min(times) <= 0:
+        return None
+    return max(times) / min(times)

@@ -24,7 +24,10 @@ class Tuning:
         shift_noise: see ``shift``.
         jump_imbalance: jump to the shares the speeds call for when they are this far
             out of balance (``1 + max(jump_imbalance, jump_noise * noise)``).
-        jump_noise: see ``jump_imbalance``.
+        jump_noise: see ``jump_imbalance``; 0: the compute speeds compare the devices within the same steps,
+            so the throughput's noise between windows says nothing of theirs (a jump is judged by throughput
+            like any move; at 3 noise units, short fits on a noisy machine never jumped and stayed at the
+            calibrated shares, which miss a step's fixed work on the slow device).
         max_jumps: jumps per search.
         strict_factor: the best of the scan must beat the kept shares by this many margins.
         growth: after a kept move, the next one is this many times larger (up to ``max_step``).
@@ -36,6 +39,8 @@ class Tuning:
             (``1 + tie_imbalance``), it settles instead at the measured shares nearest their
             balance whose throughput was within ``tie_noise`` noise units of the kept shares'.
         tie_noise: see ``tie_imbalance``.
+        away_imbalance: a move whose windows leave the compute times further out of balance than the kept
+            shares' and beyond ``1 + away_imbalance`` must win by ``strict_factor`` margins.
     """
 
     quiet_noise: float = 0.015
@@ -47,7 +52,7 @@ class Tuning:
     shift: float = 0.08
     shift_noise: float = 4.0
     jump_imbalance: float = 0.1
-    jump_noise: float = 3.0
+    jump_noise: float = 0.0
     max_jumps: int = 2
     strict_factor: float = 2.0
     growth: float = 1.5
@@ -57,3 +62,4 @@ class Tuning:
     watched: int = 5
     tie_imbalance: float = 0.05
     tie_noise: float = 1.0
+    away_imbalance: float = 0.05

@@ -95,8 +95,8 @@ class ArraySource:
     def _cut(self, plan: StepPlan, start: int) -> tuple:
         begin, end = plan.rows(plan.rank, start)
         index = slice(begin, end) if self.order is None else self.order[begin:end]
-        parts = [None if p is None else keras.tree.map_structure(lambda a, i=index: _take(a, i), p)
-                 for p in self.parts]
+        parts = [None if p is None else _take(p, index) if type(p) is np.ndarray
+                 else keras.tree.map_structure(lambda a, i=index: _take(a, i), p) for p in self.parts]
         return keras.utils.pack_x_y_sample_weight(*parts)  # as Keras's array adapter: x alone is not a tuple
 
     def close(self) -> None:

@@ -15,12 +15,13 @@ path) reads ratios the same way.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RatioSpec", "capped_split", "parse_ratios", "predicted_step_time", "split", "validate_ratios"]
+__all__ = ["RatioSpec", "capped_split", "parse_ratios", "predicted_step_time", "split", "split_once", "validate_ratios"]
 
 
 def validate_ratios(ratios: Sequence[float], world_size: int | None = None) -> list[float]:
@@ -161,6 +162,13 @@ def split(total: int, ratios: Sequence[float]) -> list[int]:
                 shares[donor] -= 1
                 shares[i] += 1
     return shares
+
+
+@functools.lru_cache(maxsize=64)
+def split_once(total: int, ratios: tuple[float, ...], caps: tuple[int | None, ...] | None, quantum: int
+               ) -> tuple[int, ...]:
+    """:func:`capped_split` remembered (a step plans the same split as the last one at most steps)."""
+    return tuple(capped_split(total, ratios, caps, quantum))
 
 
 def capped_split(total: int, ratios: Sequence[float], caps: Sequence[int | None] | None = None,

@@ -1,12 +1,16 @@
-"""The TensorFlow backend's facts: local batch sizes on a grid of 1/16 of the batch, no opening scan, the driver's GPUs.
+"""The TensorFlow backend's facts: local batch sizes on a grid of 1/32 of the batch, no opening scan, the driver's GPUs.
 
 multigpu traces the TensorFlow step once per local batch size (Keras weighs
 each output's loss by the batch size the trace knows, and XLA compiles per
-shape), so as on JAX local batch sizes are multiples of 1/16 of the batch,
-the share search moves by that much at least, and it does not open with a
-scan.  TensorFlow may not be configured (visible GPUs,
-threads) after its first computation, so the GPUs are counted and named by
-the NVIDIA driver, without importing TensorFlow.
+shape), so local batch sizes are multiples of 1/32 of the batch, the share
+search moves by that much at least, and it does not open with a scan.  1/32
+rather than JAX's 1/16: a trace costs a fraction of a second where a JAX
+compilation costs more, and on the TensorFlow demo (batch 512, the devices
+computing 3,800 and 2,059 samples/s: even at 332 rows) 1/16's steps of 32 rows
+left the slow device waiting 14% to 17% of a step at 352; 336 is on 1/32's.
+TensorFlow may not be configured (visible GPUs, threads) after its first
+computation, so the GPUs are counted and named by the NVIDIA driver, without
+importing TensorFlow.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def _pool(size: int) -> dict[str, str]:
     return {"TF_MKL_ALLOC_MAX_BYTES": str(int(size * POOL))}
 
 
-FACTS = Facts("tensorflow", grid=16, scan=False, elastic=True, shard_optimizer=True, sums_on_host=True, join_first=True,
+FACTS = Facts("tensorflow", grid=32, scan=False, elastic=True, shard_optimizer=True, sums_on_host=True, join_first=True,
               gpu_count=driver_gpu_count,
               gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions,
               cpu_memory_environment=_pool)

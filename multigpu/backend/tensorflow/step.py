@@ -105,7 +105,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         sees a second one; multigpu keeps every trace's batch size known,
         because Keras weighs each output's loss by the static batch size
         (``CompileLoss``), and XLA compiles per shape anyway.  The local batch
-        sizes sit on a grid of 1/16 of the batch (:mod:`.facts`), so there are
+        sizes sit on a grid of 1/32 of the batch (:mod:`.facts`), so there are
         few traces.  Run eagerly, the model's ``compute_metrics`` inside it
         returns its local results, as it does in a trace (no sum over ranks
         in the middle of a step: a rank with no rows does not run it).
