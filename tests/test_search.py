@@ -393,3 +393,24 @@ def test_a_move_away_from_the_speeds_balance_must_win_by_more():
     # Off the balance, the move toward it is kept on 1.5 margins.
     kept = run(0.80, 1.5 * margin)
     assert kept and kept[0].after[0] < 0.80, kept
+
+
+def test_a_search_that_runs_out_of_steps_before_judging_a_move_settles_at_the_speeds_balance():
+    """Short fits of long steps (issue 65's MLP at batch 512 and GRU at 256: 16 steps of 50 to 70 ms an epoch,
+    windows of 1.5 s): the search settled by step 40 with at most one window measured, at the calibrated shares,
+    while the compute speeds in the run (a step's fixed work also runs at the slow device's speed) called for
+    more on the fast device.  With no move judged, time up now settles at the shares the speeds call for; with
+    the speeds in balance it stays."""
+    def run(speeds):
+        search = ShareSearch([0.69, 0.31], 512, scan=())
+        shares = capped_split(512, search.ratios)
+        compute = tuple(10 * b / s for b, s in zip(shares, speeds))
+        search.observe(Window(tuple(search.ratios), 5120, max(compute), compute, tuple(10 * b for b in shares)))
+        events = search.time_up(40)
+        return search, events
+
+    search, events = run((9000.0, 3000.0))  # 69%/31% leaves the slow device 1.45x the fast one's time
+    assert search.settled and abs(search.ratios[0] - 0.75) < 0.01, search.ratios
+    assert "compute speeds call for" in events[-1].reason, events
+    search, _ = run((9000.0, 4043.0))  # in balance at 69%/31%
+    assert search.settled and abs(search.ratios[0] - 0.69) < 0.01, search.ratios

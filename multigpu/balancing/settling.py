@@ -61,7 +61,29 @@ class Settling:
                 self.figures.runs = [measured]
                 self.changes += 1
                 events.append(Event("keep", old, shares, before, measured, f"{measured / before - 1:+.1%}"))
+        elif candidate is None and not self.changes and not self._judged:
+            balanced = self._balance_unjudged(steps)
+            if balanced:
+                return balanced
         return events + self._settle(f"after {steps} steps the search stops moving")
+
+    def _balance_unjudged(self, steps: int) -> list[Event]:
+        """Time is up and no window judged any move (a short fit of long steps: its windows last 1.5 s): where
+        the compute speeds at the kept shares are ``jump_imbalance`` out of balance, the search settles at the
+        shares they call for, the jump it had no time to measure.  The speeds compare the devices within the
+        same steps, where the calibration before them timed the forward and backward passes alone (a step's
+        fixed work, its sum and update, also runs at a slow device's speed)."""
+        _, proposal, imbalance = self._model()
+        if (proposal is None or imbalance < 1 + self.tuning.jump_imbalance
+                or self.shares(proposal) == self.shares(self.base)):
+            return []
+        old = self.base
+        self.base = self.ratios = tuple(proposal)
+        self.changes += 1
+        self.settle_as_found()  # watched from its first windows on
+        return [Event("settle", tuple(old), tuple(proposal), 0.0, 0.0,
+                      f"after {steps} steps no window could judge a move: settled at the shares the compute speeds "
+                      f"call for, {imbalance:.2f}x out of balance at {_describe(old)}")]
 
     def settle_as_found(self) -> None:
         """Starts settled at the given shares (found by an earlier search at another batch size): no scan, no

@@ -101,8 +101,8 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
         devices = assign_cores(parse_devices(config["devices"]), warn=False)
         command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
                    str(Path(tmp) / "config.json")]
-        variables = dict(env.copy(), KERAS_BACKEND=env.keras_backend(), OMP_NUM_THREADS="1",
-                         PYTHONWARNINGS="ignore", **config.get("env", {}))
+        variables = {**env.copy(), "KERAS_BACKEND": env.keras_backend(), "OMP_NUM_THREADS": "1",
+                     "PYTHONWARNINGS": "ignore", **config.get("env", {})}  # the configuration's last: its backend
         log_path = Path(tmp) / "output.txt"
         log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
         stdout = None if stream else (log_file or subprocess.DEVNULL)
