@@ -49,6 +49,19 @@ class Comm:
         self._rows = NamedSharding(mesh, PartitionSpec("ranks"))
         self._sum = jax.jit(lambda a: a.sum(axis=0, dtype=a.dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))
         self._gather = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))  # an all-gather
+        self._met = False  # every rank reached the first collective (:meth:`_meet`)
+
+    def _meet(self) -> None:
+        """Before this process's first collective, every rank meets at the coordination service's barrier, for
+        the run's timeout: XLA's CPU collectives set up their gloo context at the first one and wait only 30 s
+        for the others there (ignoring ``--xla_cpu_collective_timeout_seconds``), and a rank on a fifth of a
+        core could come later than that and end the run."""
+        if self._met or self.world_size == 1:
+            return
+        from multigpu.backend.jax.group import coordination_client
+
+        coordination_client().wait_at_barrier("multigpu/first-collective", int(max(1, self.runtime.timeout) * 1000))
+        self._met = True
 
     # ------------------------------------------------------- the group
     # A group that never shrinks (the backend is not elastic): every rank stays in it, rank 0 leads.
@@ -84,6 +97,7 @@ class Comm:
         if self.alone:
             return np.array(vector)
         with self.fatal(what):
+            self._meet()
             local = jax.device_put(vector, self.device).reshape(1, -1)
             rows = jax.make_array_from_single_device_arrays((self.world_size, local.shape[1]), self._rows,
                                                             [local])
@@ -96,6 +110,7 @@ class Comm:
         import jax.numpy as jnp
 
         with self.fatal(what):
+            self._meet()
             local = jax.device_put(jnp.pad(vector, (0, width - vector.shape[0])), self.device).reshape(1, -1)
             rows = jax.make_array_from_single_device_arrays((self.world_size, width), self._rows, [local])
             return np.asarray(self._gather(rows).addressable_data(0))

@@ -136,13 +136,14 @@ def coordination_client():
     try:
         from jax._src.distributed import global_state
     except ImportError as exc:
-        raise RuntimeError(f"multigpu's global BatchNorm statistics on JAX need jax.distributed's key-value store, "
-                           f"which jax {_jax_version()} does not have where expected ({exc}).") from exc
+        raise RuntimeError(f"multigpu on JAX needs jax.distributed's coordination service (its key-value store and "
+                           f"barriers), which jax {_jax_version()} does not have where expected ({exc}).") from exc
     client = getattr(global_state, "client", None)
-    missing = [m for m in ("key_value_set_bytes", "blocking_key_value_get_bytes", "key_value_delete")
-               if not hasattr(client, m)]
+    missing = [m for m in ("key_value_set_bytes", "blocking_key_value_get_bytes", "key_value_delete",
+                           "wait_at_barrier") if not hasattr(client, m)]
     if client is None or missing:
-        raise RuntimeError("multigpu's global BatchNorm statistics on JAX need jax.distributed's key-value store: "
+        raise RuntimeError("multigpu on JAX needs jax.distributed's coordination service (its key-value store and "
+                           "barriers): "
                            f"{'this process has not joined a run' if client is None else 'missing ' + str(missing)} "
                            f"(jax {_jax_version()}).")
     return client
