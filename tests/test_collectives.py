@@ -85,6 +85,7 @@ def test_every_comm_does_the_same_on_a_real_run(runner, backend):
                                                                                                     False)
         assert got["sum_floats"] == [4.0, -1.0] and got["fatal"] == "entered"
         assert got["gather_objects"] == [{"rank": 0, "text": "x"}, {"rank": 1, "text": "xx"}]
+        assert got["gather_long"] == [2000, 4000]
         assert got["seeds"][0] == got["seeds"][1] and got["seeds"][0] >= 0
         assert got["check_same"] == ("The ranks received different data: the number of rows differ (rank 0: 100, "
                                      "rank 1: 101). Every rank must see the same data (build or load it the same "

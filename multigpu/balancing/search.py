@@ -318,7 +318,7 @@ class ShareSearch(Settling):
 
     def _away_factor(self) -> float:
         """How many margins a move must win by: ``strict_factor`` where its windows leave the devices' compute
-        times further out of balance than the kept shares' (beyond ``tie_imbalance``), else 1.
+        times further out of balance than the kept shares' (beyond ``away_imbalance``), else 1.
 
         The compute times compare the devices within the same steps, so a drift of the whole machine does not
         move them; throughput compares windows taken at different times, and a machine that speeds up during

@@ -23,6 +23,7 @@ seen = {"group": isinstance(comm, Group), "elastic": isinstance(comm, ElasticGro
         "transport": comm.transport, "leader": comm.leader, "joining": comm.joining, "rejoined": comm.rejoined,
         "sum_floats": comm.sum_floats([rank + 1.5, -rank], "summing floats"),
         "gather_objects": comm.gather_objects({"rank": rank, "text": "x" * (rank + 1)}),
+        "gather_long": [len(t) for t in comm.gather_objects("y" * 2000 * (rank + 1))],  # beyond JAX's 1 KiB slots
         "seeds": comm.gather_objects(comm.shared_seed())}
 comm.check_same(7, "a length")
 try:
