@@ -4,6 +4,7 @@ check that none of their processes is left behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,16 +158,22 @@ class Runner:
     """Runs commands with the test environment; kills them on timeout."""
 
     def __init__(self, tmp_path: Path, gpu: bool = False) -> None:
+        import tempfile
+
         self.tmp_path = tmp_path
         self.token = uuid.uuid4().hex
         self.gpu = gpu
+        # The commands' temporary files (TensorFlow's autograph writes one per traced function and removes it
+        # at exit, which a rank killed with SIGKILL never reaches) go to a folder of their own, removed after
+        # the test; short, for the sockets that may be made there.
+        self.tmp = tempfile.mkdtemp(prefix="mgt-")
 
     def env(self, extra: dict | None = None) -> dict:
         env = dict(os.environ)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
         env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   MULTIGPU_TEST_TOKEN=self.token, PYTHONWARNINGS="ignore",
+                   MULTIGPU_TEST_TOKEN=self.token, PYTHONWARNINGS="ignore", TMPDIR=self.tmp,
                    MULTIGPU_PROFILE=str(self.tmp_path / "profiles.json"))
         if not self.gpu:  # scripts see the machine CI has: no GPU
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -271,4 +278,5 @@ def runner(tmp_path, request):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    shutil.rmtree(r.tmp, ignore_errors=True)
     assert not left, f"processes left behind: {left}"
