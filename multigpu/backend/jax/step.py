@@ -102,6 +102,7 @@ class JaxSteps(Evaluation, StepsCore):
         self.compiles: dict[tuple[str, int], float] = {}  # (function, local rows) -> seconds of its first call
         self._compiled = False  # the step running now compiled a function
         self._applied = False  # the update function has been compiled (by the first training step)
+        self._ahead = None  # the last step alone's message, which JAX may still be computing (_train_alone)
 
     def methods(self) -> dict:
         """What the model instance gets."""
@@ -284,12 +285,18 @@ class JaxSteps(Evaluation, StepsCore):
         """A step of the one rank left (the others set aside; no memory bound, no compression): one compiled
         function, as one device's step in plain Keras."""
         trainable, non_trainable, optimizer, metrics = state
+        message = self._message()
         out = self._timed_first("alone", plan.local, lambda: self._alone(
-            trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, self._message()))
-        trainable, optimizer, non_trainable, metrics, logs, tail = jax.block_until_ready(out)
-        tail = np.asarray(tail)
-        self.driver.heard(tail)
-        self.driver.finish(tail)
+            trainable, non_trainable, metrics, optimizer, x, y, sample_weight, weight, message))
+        trainable, optimizer, non_trainable, metrics, logs, tail = out
+        # JAX computes while Python goes on, as in Keras's own loop: this step waits for the one before it only,
+        # so that the host's work for the next step overlaps this one's compute (the time between two step ends
+        # stays a step's). Its summed message is its own, which the function passed through.
+        if self._ahead is not None:
+            jax.block_until_ready(self._ahead)
+        self._ahead = tail
+        self.driver.heard(message)
+        self.driver.finish(message)
         self.driver.done(plan, measured=not self._compiled)
         return logs, (trainable, non_trainable, optimizer, metrics)
 
