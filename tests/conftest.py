@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -158,8 +159,6 @@ class Runner:
     """Runs commands with the test environment; kills them on timeout."""
 
     def __init__(self, tmp_path: Path, gpu: bool = False) -> None:
-        import tempfile
-
         self.tmp_path = tmp_path
         self.token = uuid.uuid4().hex
         self.gpu = gpu
@@ -234,8 +233,6 @@ def run_together(*commands: dict, timeout: float) -> list[subprocess.CompletedPr
     ``args`` among them): a one-device reference beside the run it checks, so that each finds the core the other
     leaves idle while it imports.  Standard error joins standard output; every one still running at ``timeout``
     is killed with its process group, and the test fails."""
-    import tempfile
-
     started = []
     for command in commands:
         out = tempfile.TemporaryFile(mode="w+")
