@@ -24,12 +24,11 @@ $(DEMO_STAMP): pyproject.toml Makefile
 
 # What the tests need on top: jax's CPU build for the JAX backend (KERAS_BACKEND=jax), the test tools,
 # keras-hub for the tests of its tasks, without TensorFlow: --no-deps leaves out its tensorflow-text
-# requirement (used only by its TF tokenizers), and the rest of what it imports comes after.
+# requirement (used only by its TF tokenizers), and the rest of what it imports comes before it (one pip call:
+# each call resolves and builds multigpu's editable wheel again).
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/pip install --quiet "jax[cpu]==0.10.2"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet "jax[cpu]==0.10.2" -e ".[test]" absl-py regex rich tokenizers sentencepiece kagglehub grain
 	$(BIN)/pip install --quiet --no-deps "keras-hub==0.32.0"
-	$(BIN)/pip install --quiet absl-py regex rich tokenizers sentencepiece kagglehub grain
 	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)

@@ -53,7 +53,8 @@ that were both given differ, rank 0 says in one line which it took.
 * ``MULTIGPU_FAULT``: a testing aid that kills named ranks at named points
   (:mod:`multigpu.membership`); never set it in a real run.
 * ``MULTIGPU_PARK``: a testing aid: ``force`` sets the devices but the
-  leader aside after each fit's first epoch, ``off`` never sets one aside
+  leader aside after each fit's first epoch (``force:R``: all but rank
+  ``R``), ``off`` never sets one aside
   (:mod:`multigpu.balancing.parking`); never set it in a real run.
 * ``GLOO_SOCKET_IFNAME``: set to ``lo`` on single-machine runs when unset, so
   gloo listens on the loopback interface only.

@@ -33,39 +33,51 @@ def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(ru
     assert runner.leftovers() == []
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow", "jax"])
-def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend):
-    """MULTIGPU_PARK=force sets CPU:1 aside after each fit's first epoch: its epochs have no rows and no sum, the
-    metrics stay global, and at a larger batch in the next fit it trains again: weights and logs equal one
+@pytest.mark.parametrize(("backend", "kept"), [("torch", 0), ("tensorflow", 0), ("jax", 0), ("torch", 1),
+                                             ("tensorflow", 1), ("jax", 1)])
+def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend, kept):
+    """MULTIGPU_PARK=force sets CPU:1 aside after each fit's first epoch (``force:1``: CPU:0, the leader, whose
+    callbacks still see the weights trained on CPU:1 at every epoch's end): its epochs have no rows and no sum,
+    the metrics stay global, and at a larger batch in the next fit it trains again: weights and logs equal one
     device's, every rank holds them."""
     if backend == "tensorflow":
         pytest.importorskip("tensorflow", reason="the TensorFlow backend's tests need TensorFlow")
     out = runner.tmp_path / "two.json"
-    env = {"KERAS_BACKEND": backend, "MULTIGPU_PARK": "force", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    park = "force" if kept == 0 else f"force:{kept}"
+    env = {"KERAS_BACKEND": backend, "MULTIGPU_PARK": park, "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = runner.together(([sys.executable, str(SCRIPTS / "parking.py"), str(runner.tmp_path / "one.json"), "one"],
                             env),
                            ([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
                              str(SCRIPTS / "parking.py"), str(out), "two"], env), timeout=240)
     for res in done:
         assert res.returncode == 0, res.stdout[-3000:]
-    assert done[1].stdout.count("CPU:1 set aside from epoch 2: MULTIGPU_PARK=force") == 2, done[1].stdout[-3000:]
+    aside = 1 - kept
+    said = f"CPU:{aside} set aside from epoch 2: MULTIGPU_PARK={park}"
+    assert done[1].stdout.count(said) == 2, done[1].stdout[-3000:]
     one, two = np.load(f"{runner.tmp_path / 'one.json'}.rank0.npz"), np.load(f"{out}.rank0.npz")
     other = np.load(f"{out}.rank1.npz")
     for k in one.files:
         assert np.max(np.abs(one[k] - two[k])) <= 1e-5 * np.max(np.abs(one[k])), k
         assert np.array_equal(two[k], other[k]), k  # the device set aside took the weights back
+    # what rank 0's callbacks saw at every epoch's end (saves, early stopping): one device's weights, also
+    # while rank 0 itself was set aside
+    seen, reference = np.load(f"{out}.rank0.epochs.npy"), np.load(f"{runner.tmp_path / 'one.json'}.rank0.epochs.npy")
+    assert seen.shape == reference.shape == (5, reference.shape[1])
+    for epoch, (got_weights, want) in enumerate(zip(seen, reference)):
+        assert np.max(np.abs(got_weights - want)) <= 1e-5 * np.max(np.abs(want)), epoch
     got = json.loads(out.read_text())
     reference = json.loads((runner.tmp_path / "one.json").read_text())["histories"]
     for fit, fit_reference in zip(got["histories"], reference):
         for key, values in fit_reference.items():
             np.testing.assert_allclose(fit[key], values, rtol=1e-5, err_msg=key)
-    for report in got["reports"]:  # each fit's last epoch: CPU:1 set aside, no rows, no time summing
-        (fast, slow) = report["devices"]
-        assert slow["share"] == 0.0 and slow["samples"] == 0 and fast["samples"] > 0, report
-        assert fast["sum"] == 0.0, report
+    for report in got["reports"]:  # each fit's last epoch: the device set aside had no rows, no time summing
+        left, parked = report["devices"][kept], report["devices"][aside]
+        assert parked["share"] == 0.0 and parked["samples"] == 0 and left["samples"] > 0, report
+        assert left["sum"] == 0.0, report
     # Back with a share after the fit (its calibrated one: the one-device reference runs beside the calibration,
     # which it slows down, so the two equal devices' shares need not be near even).
     assert min(got["ratios"]) > 0.05, got["ratios"]
-    # multigpu.state(model).aside at each epoch's end: rank 1 from each fit's second epoch, none after the fits
-    assert got["aside"] == [[], [1], [1], [], [1]] and got["after"] == [], got["aside"]
+    # multigpu.state(model).aside at each epoch's end: the device set aside from each fit's second epoch, none
+    # after the fits
+    assert got["aside"] == [[], [aside], [aside], [], [aside]] and got["after"] == [], got["aside"]
     assert runner.leftovers() == []

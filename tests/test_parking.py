@@ -42,11 +42,17 @@ def test_a_device_that_pays_is_kept_and_one_that_does_not_is_set_aside_after_the
     p = judged(slow, slow)
     assert EPOCHS == 2 and p.due == [1] and p.alone_speed >= MARGIN * p.together
     assert judged(slow, slow, allowed=False).due == []  # fixed ratios, JAX, sync_batchnorm: never
+    # the slow device listed first: the second stays, the leader is set aside
     faster_second = epoch([40, 600], [0.1, 0.1], [0.4, 0.4])
-    assert judged(faster_second, faster_second).due == []  # only the leader stays: alone it would not pay here
+    p = judged(faster_second, faster_second)
+    assert p.due == [0] and p.kept == 1 and p.judgment["device"] == "CPU:1" and p.judgment["set_aside"] == ["CPU:0"]
+    assert Parking.keeper(faster_second, 0, None) == 1 and Parking.keeper(slow, 0, None) == 0
     # two equal devices whose second measured a little faster: the leader alone is judged all the same
     even = epoch([320, 320], [0.1, 0.099], [0.4, 0.4])  # together 1,600/s; CPU:0 alone 3,200/s (no calibration)
-    assert judged(even, even).due == [1]
+    assert judged(even, even).due == [1] and Parking.keeper(even, 0, None) == 0
+    # another device beats the leader by less than the margin: the leader; by more: the other
+    assert Parking.keeper(epoch([320, 330], [0.1, 0.1], [0.4, 0.4]), 0, None) == 0
+    assert Parking.keeper(epoch([320, 360], [0.1, 0.1], [0.4, 0.4]), 0, None) == 1
     # the judgment's figures, as multigpu.state(model) reports them: kept, then set aside
     kept = judged(pays, pays, solo=[5000.0, 5000.0]).judgment
     assert kept["pays"] and kept["set_aside"] == [] and kept["device"] == "CPU:0"
@@ -128,6 +134,11 @@ def test_the_testing_aid_forces_the_move_or_none(monkeypatch):
     even = epoch([320, 320], [0.1, 0.1], [0.12, 0.12])
     monkeypatch.setenv("MULTIGPU_PARK", "force")
     assert judged(even).due == [1]
+    monkeypatch.setenv("MULTIGPU_PARK", "force:1")
+    forced = judged(even)
+    assert forced.due == [0] and forced.kept == 1
+    assert forced.park([1.0, 1.0], epoch=1) == [0.0, 1.0]
+    assert "CPU:0 set aside from epoch 2: MULTIGPU_PARK=force:1" in forced.lines[-1]
     monkeypatch.setenv("MULTIGPU_PARK", "off")
     slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])
     assert judged(slow, slow).due == []

@@ -1,9 +1,10 @@
 """One run of bench_park.py: a model trained for EPOCHS epochs of STEPS steps at BATCH, plain Keras on one device
 (``single``) or through multigpu on ``cpu:0`` and ``cpu:1`` with automatic shares (``auto``).
 
-    python _park_script.py MODE MODEL WIDTH BATCH STEPS EPOCHS OUT [SECOND]
+    python _park_script.py MODE MODEL WIDTH BATCH STEPS EPOCHS OUT [SECOND [FIRST]]
 
-SECOND: the second device (default ``cpu:1``; ``cpu:1@0.2`` for one at a fifth of a core).
+SECOND: the second device (default ``cpu:1``; ``cpu:1@0.2`` for one at a fifth of a core); FIRST: the first
+(default ``cpu:0``; ``cpu:0@0.2``: the slow device listed first, the leader).
 
 Rank 0 writes the samples/s of the last ``LAST`` epochs (their rows over their wall time), each epoch's time, and
 the shares after the fit to OUT (JSON).
@@ -24,6 +25,7 @@ LAST = 3
 mode, name, width, batch, steps, epochs, out = (sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]),
                                                 int(sys.argv[5]), int(sys.argv[6]), sys.argv[7])
 second = sys.argv[8] if len(sys.argv) > 8 else "cpu:1"
+first = sys.argv[9] if len(sys.argv) > 9 else "cpu:0"
 spec = get_model(name)
 keras.utils.set_random_seed(0)
 x, y = spec.data(batch * steps, 0)
@@ -31,7 +33,7 @@ model = spec.build(width)
 if mode == "auto":
     import multigpu
 
-    model = multigpu.parallelize(model, devices=["cpu:0", second], ratios="auto")
+    model = multigpu.parallelize(model, devices=[first, second], ratios="auto")
 spec.compile(model)
 
 

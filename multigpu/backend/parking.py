@@ -14,8 +14,12 @@ moves, at epoch boundaries, where every rank runs the same hooks
   which on one rank is no collective (``comm.alone``); a batch planned
   before the move with rows for a rank set aside (an input that draws
   ahead) is stepped on by every rank together, as before;
+* **an epoch's end** while the leader is set aside (the device left is
+  another): the weights and optimizer state of the rank left sent to every
+  rank, so that the leader's callbacks (saves, early stopping) see what was
+  trained;
 * **back** (an epoch's end when the trial lost, and every ``fit``'s end):
-  the whole optimizer state on every rank, the leader's weights, optimizer
+  the whole optimizer state on every rank, the rank left's weights, optimizer
   state and random streams sent to every rank (as to a rank that came back
   after a loss), and the shares from before.
 """
@@ -86,7 +90,7 @@ class SetAside:
         if not judgment.due:
             return
         if len(self.comm.members) - len(judgment.due) != 1:
-            judgment.due = []  # (more than one rank left: their sums would need a group of their own)
+            judgment.due, judgment.kept = [], None  # (more than one rank left: their sums would need a group)
             return
         self.balancer.set_ratios(judgment.park(self.balancer.ratios, epoch))
         shards = self.steps.shards
@@ -96,18 +100,31 @@ class SetAside:
         self.steps.forget_results()
         self.steps.sum_over_all(False)
 
-    def epoch_ends(self, epoch: int) -> None:
-        """The trial's verdict, from the leader: the ranks set aside come back when the ranks left ran slower."""
+    def epoch_ending(self) -> None:
+        """The rank left's epoch on every rank (before the epoch's report): its step records' totals and its
+        time alone, which the ranks set aside did not see, so that the report and the trial's verdict are the
+        same everywhere."""
         if not self.judgment.parked:
             return
-        leader = self.comm.leader
-        keep = self.comm.share(self.judgment.keeps_aside() if self.comm.rank == leader else None, leader,
-                               "judging the devices set aside")
-        if not keep:
+        kept, tally = self.judgment.kept, self.balancer.tally
+        mine = (tally.totals, self.judgment.measured) if self.comm.rank == kept else None
+        tally.totals, self.judgment.measured = self.comm.share(mine, kept, "judging the devices set aside")
+
+    def epoch_ends(self, epoch: int) -> None:
+        """The trial's verdict (:meth:`epoch_ending` shared what it reads): the ranks set aside come back when
+        the rank left ran slower; while they stay aside and the leader is among them, the rank left's state sent
+        to every rank."""
+        if not self.judgment.parked:
+            return
+        kept = self.judgment.kept
+        if not self.judgment.keeps_aside():
             self._back(epoch)
+        elif kept != self.comm.leader:
+            with self.steps.whole_optimizers():  # (optimizer state in parts: the rank left holds every part)
+                self.steps._welcome_state(kept)
 
     def fit_ends(self) -> None:
-        """Every device back, with the leader's state."""
+        """Every device back, with the rank left's state."""
         if self.judgment.parked:
             self._back(None)
 
@@ -115,7 +132,7 @@ class SetAside:
         shards = self.steps.shards
         if shards is not None:
             shards.gather()  # the ranks left hold every part: each rank holds the whole state
-        self.steps._welcome_state()  # the leader's weights, optimizer state and random streams everywhere
+        self.steps._welcome_state(self.judgment.kept)  # its weights, optimizer state and random streams everywhere
         self.balancer.set_ratios(self.judgment.back(epoch))
         if shards is not None and self._weights is not None:
             shards.repartition(self._weights)

@@ -310,16 +310,16 @@ class StepsCore:
         self._broadcast_variables(self._state_variables(), "broadcasting the initial weights")
         self._offset_seeds(seeds, SEED_STRIDE * self.comm.rank)
 
-    def _welcome_state(self) -> None:
-        """The leader's weights and optimizer state on every rank of a group that took in ranks coming back
-        (their metric states start at 0: the global sums stay right), and different random streams again."""
+    def _welcome_state(self, src: int | None = None) -> None:
+        """Rank ``src``'s (by default the leader's) weights and optimizer state on every rank of a group that took
+        in ranks coming back (their metric states start at 0: the global sums stay right), other random streams."""
         for optimizer in optimizers_of(self.model):
             if not optimizer.built:  # a rank that came back: Keras builds it at the first update, after this
                 optimizer.build(self.model.trainable_variables)
         seeds = _compat.seed_variables(self.model)
         self._broadcast_variables(self._state_variables(with_optimizers=True),
-                                  "sending the state to the ranks that came back")
-        self._offset_seeds(seeds, SEED_STRIDE * (self.comm.rank - self.comm.leader))
+                                  "sending the state to the ranks that came back", src=src)
+        self._offset_seeds(seeds, SEED_STRIDE * (self.comm.rank - (self.comm.leader if src is None else src)))
 
     # ------------------------------------------------ recovery's hooks (multigpu/backend/recovery.py)
     # A backend whose facts say it is elastic gives these; the protocol itself is Recovery's.
@@ -387,14 +387,14 @@ class StepsCore:
     def realign_replicas(self) -> None:
         """Rank 0's weights and optimizer state on every rank, when the ranks run on different kinds of processor.
 
-        Every rank applies the same summed gradient, but a GPU and a CPU round
-        the optimizer's arithmetic differently (fused multiply-adds, vector
-        widths), so their weights part by about 1e-7 a step.  Once an epoch
-        rank 0's copy is sent to all: saves, validation and the next epoch
-        start from one model.  Ranks on one kind of processor compute
-        bit-identical updates and skip this.
+        Every rank applies the same summed gradient, but a GPU and a CPU round the optimizer's arithmetic
+        differently (fused multiply-adds, vector widths), so their weights part by about 1e-7 a step.  Once an
+        epoch rank 0's copy (while devices are set aside, the rank left's: :mod:`multigpu.backend.parking`) is
+        sent to all: saves, validation and the next epoch start from one model.  Ranks on one kind of processor
+        compute bit-identical updates and skip this.
         """
         if len({d.kind for d in self.comm.runtime.devices}) < 2:
             return
+        src = self.balancer.parking.kept if self.balancer.parking.parked else None
         with self.whole_optimizers():  # a sharded optimizer: rank 0's whole state is what is sent
-            self._broadcast_variables(self._state_variables(with_optimizers=True), "realigning the replicas")
+            self._broadcast_variables(self._state_variables(with_optimizers=True), "realigning the replicas", src)

@@ -22,10 +22,13 @@ records), so every rank moves at the same epoch boundary.
   (:meth:`Parking.alone_ceiling`).  Where the floor does not clear the margin but
   the ceiling reaches the together figure, the others are set aside to try:
   only a measurement alone tells.  Where even the ceiling falls short, every
-  device is kept.  Only the leader (rank 0 while no rank was lost)
-  stays, judged alone whether or not it computes fastest (two equal devices: whichever measured a little
-  faster); where another device is much faster, the leader alone seldom beats them together, and every
-  device is kept.
+  device is kept.  The device judged is the one that would compute fastest
+  alone (:meth:`Parking.keeper`): the leader (rank 0 while no rank was lost)
+  unless another's estimate beats the leader's by :data:`MARGIN` (two equal
+  devices: the leader, whichever measured a little faster), so a slow device
+  listed first is set aside as a slow one listed last is.  While the leader is
+  set aside, the device left sends it its weights and optimizer state at every
+  epoch's end (the leader's callbacks save and read what was trained).
 * **Tried**: while set aside, the device left measures its throughput alone;
   at the epoch's end it keeps the others aside when it ran at least as fast
   as they ran together, else they come back, and this ``fit`` does not set
@@ -35,7 +38,8 @@ records), so every rank moves at the same epoch boundary.
   batch), or when the trial lost.
 
 ``MULTIGPU_PARK=force`` (a testing aid, never set in a real run) sets the
-devices but the leader aside after a fit's first epoch and keeps them aside;
+devices but the leader aside after a fit's first epoch and keeps them aside
+(``force:R``: every device but rank ``R``'s);
 ``MULTIGPU_PARK=off`` (for benchmarks) never sets one aside.
 """
 
@@ -64,10 +68,13 @@ class Parking:
         self.devices = list(devices)
         self._log = log
         self.allowed = False  # automatic shares on steps that can leave ranks out of the sum (set by the steps)
-        self.forced = env.get(env.PARK) == "force"
+        park = env.get(env.PARK) or ""
+        self.forced = park == "force" or park.startswith("force:")
+        self.forced_keeper = int(park.removeprefix("force:")) if park.startswith("force:") else None
         self.never = env.get(env.PARK) == "off"
         self.due: list[int] = []  # ranks to set aside at the next epoch's start
         self.parked: list[int] = []  # ranks set aside now
+        self.kept: int | None = None  # the rank left (judged, then while the others are aside)
         self.kept_ratios: list[float] | None = None  # the shares before, given back with the devices
         self.tried = False  # this fit set devices aside once already
         self.together = 0.0  # the best throughput of the devices together in this fit
@@ -92,21 +99,33 @@ class Parking:
         wall = max(e["wall"])
         self.together = max(self.together, sum(e["samples"]) / wall if wall > 0 else 0.0)
         if self.forced:
-            self.due = [r for r in range(n) if r != leader]
+            self.kept = leader if self.forced_keeper is None else self.forced_keeper
+            self.due = [r for r in range(n) if r != self.kept]
             return
         if self._epochs < EPOCHS:
             return
-        self.judgment = self.verdict(e, leader, solo, self.devices, self.together)
+        keeper = self.keeper(e, leader, solo)
+        self.judgment = self.verdict(e, keeper, solo, self.devices, self.together)
         self.judgment["set_aside"] = []
         if not self.judgment["pays"]:
-            self.due = [r for r in range(n) if r != leader]
+            self.kept = keeper
+            self.due = [r for r in range(n) if r != keeper]
             self.alone_speed = self.judgment["alone"]
             self.judgment["set_aside"] = [self.devices[r].label for r in self.due]
 
     @classmethod
+    def keeper(cls, e: dict, leader: int, solo: Sequence[float] | None) -> int:
+        """The rank judged alone at an epoch's totals ``e``: the one whose device would compute fastest alone
+        (:meth:`alone_estimate`), the ``leader`` unless another's estimate beats its own by :data:`MARGIN`."""
+        estimates = [cls.alone_estimate(e, r, solo) for r in range(len(e["samples"]))]
+        best = max(range(len(estimates)), key=lambda r: (estimates[r], r == leader))
+        return best if estimates[best] >= MARGIN * estimates[leader] else leader
+
+    @classmethod
     def verdict(cls, e: dict, leader: int, solo: Sequence[float] | None, devices: Sequence,
                 together: float | None = None) -> dict:
-        """Whether the devices pay at an epoch's totals ``e``: ``device`` (``leader``'s), ``alone``
+        """Whether the devices pay at an epoch's totals ``e`` with rank ``leader`` kept (:meth:`keeper`):
+        ``device`` (``leader``'s), ``alone``
         (its samples/s alone, :meth:`alone_estimate`), ``ceiling`` (:meth:`alone_ceiling`), ``together`` (the
         devices' samples/s, the best of the fit where given), ``pays`` (False: the others are set aside) and
         ``trial`` (they are set aside to try: the estimate does not clear :data:`MARGIN`, its ceiling reaches
@@ -121,34 +140,34 @@ class Parking:
                 "together": round(together, 1), "pays": not (sure or trial), "trial": trial}
 
     @staticmethod
-    def alone_estimate(e: dict, leader: int, solo: Sequence[float] | None) -> float:
-        """Samples/s of ``leader``'s device on whole batches alone, from an epoch's totals ``e``: a step costs
+    def alone_estimate(e: dict, rank: int, solo: Sequence[float] | None) -> float:
+        """Samples/s of ``rank``'s device on whole batches alone, from an epoch's totals ``e``: a step costs
         its fixed work plus its rows at the device's speed alone (``solo``: calibration's forward and backward
         passes, where measured), the fixed work being what its steps took beyond their rows; without ``solo``,
         every second of a step is taken to grow with its rows (a lower bound)."""
-        steps, rows, compute = e["steps"], e["samples"][leader], e["compute"][leader]
+        steps, rows, compute = e["steps"], e["samples"][rank], e["compute"][rank]
         batch = sum(e["samples"]) / steps
-        per_row = Parking._per_row(e, leader, solo)
+        per_row = Parking._per_row(e, rank, solo)
         if per_row is None:
             return 0.0
         fixed = max(0.0, compute - rows * per_row) / steps
         return batch / (fixed + batch * per_row)
 
     @staticmethod
-    def alone_ceiling(e: dict, leader: int, solo: Sequence[float] | None) -> float:
-        """Samples/s of ``leader``'s device alone were a step its rows only (no fixed work): what a step alone
+    def alone_ceiling(e: dict, rank: int, solo: Sequence[float] | None) -> float:
+        """Samples/s of ``rank``'s device alone were a step its rows only (no fixed work): what a step alone
         could reach at most, at the per-row cost :meth:`alone_estimate` uses."""
-        per_row = Parking._per_row(e, leader, solo)
+        per_row = Parking._per_row(e, rank, solo)
         return 1.0 / per_row if per_row else 0.0
 
     @staticmethod
-    def _per_row(e: dict, leader: int, solo: Sequence[float] | None) -> float | None:
-        rows, compute = e["samples"][leader], e["compute"][leader]
+    def _per_row(e: dict, rank: int, solo: Sequence[float] | None) -> float | None:
+        rows, compute = e["samples"][rank], e["compute"][rank]
         if not rows or compute <= 0:
             return None
         per_row = compute / rows
-        if solo and solo[leader] > 0:
-            per_row = min(per_row, 1.0 / solo[leader])
+        if solo and solo[rank] > 0:
+            per_row = min(per_row, 1.0 / solo[rank])
         return per_row
 
     # ------------------------------------------------------------- the moves
@@ -162,7 +181,7 @@ class Parking:
         names = ", ".join(self.devices[r].label for r in self.parked)
         first = self.devices[left[0]].label
         if self.forced:
-            why = f"{env.PARK}=force"
+            why = f"{env.PARK}={env.get(env.PARK)}"
         elif self.judgment is not None and self.judgment.get("trial"):
             why = (f"to try {first} alone, which would compute {self.alone_speed:.0f} to "
                    f"{self.judgment['ceiling']:.0f} samples/s (its fixed work alone unknown) where the {len(out)} "
@@ -180,13 +199,22 @@ class Parking:
         self._alone[1] += max(rec.wall)
 
     @property
+    def measured(self) -> list:
+        """The samples and seconds of the steps alone so far (the rank left's; :meth:`keeps_aside` reads them)."""
+        return list(self._alone)
+
+    @measured.setter
+    def measured(self, value) -> None:
+        self._alone = list(value)
+
+    @property
     def alone(self) -> float:
         """The throughput of the devices left over the steps alone so far (0 before any)."""
         samples, seconds = self._alone
         return samples / seconds if seconds > 0 else 0.0
 
     def keeps_aside(self) -> bool:
-        """At an epoch's end, on the leader: whether the devices left ran at least as fast as all together."""
+        """At an epoch's end, on the rank left: whether it ran at least as fast as all the devices together."""
         return self.forced or self.alone == 0.0 or self.alone >= self.together
 
     def back(self, epoch: int | None) -> list[float]:
@@ -198,6 +226,6 @@ class Parking:
                       f"the {self.together:.0f} together")
             if self.judgment is not None:  # measured: together is faster
                 self.judgment.update(set_aside=[], alone_ran=round(self.alone, 1), pays=True)
-        self.parked = []
+        self.parked, self.kept = [], None
         ratios, self.kept_ratios = self.kept_ratios or [], None
         return ratios

@@ -120,8 +120,9 @@ def _where_time_goes(result: dict) -> list[str]:
 
 
 def _who_pays(result: dict) -> tuple[str, dict] | None:
-    """Which devices pay at this model and batch, judged as automatic shares judge an epoch (the first
-    device's steps: fixed work and rows at its speed, grown to the whole batch, against the devices together;
+    """Which devices pay at this model and batch, judged as automatic shares judge an epoch (the steps of the
+    device that would compute fastest alone, the first unless another beats it by the margin: fixed work and
+    rows at its speed, grown to the whole batch, against the devices together;
     :meth:`multigpu.balancing.parking.Parking.verdict`), from the run's epoch report; None without one."""
     from types import SimpleNamespace
 
@@ -132,7 +133,7 @@ def _who_pays(result: dict) -> tuple[str, dict] | None:
         return None
     e = {"samples": [r["samples"] for r in rows], "compute": [r["compute"] for r in rows],
          "wall": [r["samples"] / r["samples_per_second"] for r in rows], "steps": rows[0]["steps"]}
-    leader = 0  # (the device that stays when the others are set aside)
+    leader = Parking.keeper(e, 0, None)  # the device that would stay were the others set aside
     verdict = Parking.verdict(e, leader, None, [SimpleNamespace(label=r["device"]) for r in rows])
     others = ", ".join(r["device"] for i, r in enumerate(rows) if i != leader)
     if verdict["pays"]:

@@ -57,6 +57,7 @@ class EpochHooks(keras.callbacks.Callback):
         self.parallel.position["step"] = self.data.first_step(self.parallel.position["epoch"]) + batch
 
     def on_epoch_end(self, epoch, logs=None):
+        self.parallel.steps.driver.aside.epoch_ending()
         self.parallel.steps.sync_batchnorm_statistics()
         self.parallel.steps.realign_replicas()
         self.parallel.balancer.end_epoch(epoch)

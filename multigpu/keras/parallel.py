@@ -80,7 +80,8 @@ class State:
         aside: the ranks whose devices are set aside now (automatic shares: they do not pay at this model and
             batch; the balancing guide).
         judgment: the last judgment of whether the devices pay (from a ``fit``'s second epoch, automatic shares),
-            if any: ``device`` (rank 0's, which stays), ``alone`` (its estimated samples/s alone, a floor),
+            if any: ``device`` (the one judged alone, which stays: the fastest alone, rank 0's unless another's
+            beats it by 10%), ``alone`` (its estimated samples/s alone, a floor),
             ``ceiling`` (its rows alone with no fixed work), ``together`` (the devices' best samples/s together in
             the fit), ``pays``, ``trial`` (set aside to measure: the floor and the ceiling straddle the together
             figure) and ``set_aside`` (the devices set aside for it; after a trial alone that ran slower, empty

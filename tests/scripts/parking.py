@@ -3,10 +3,12 @@
     python parking.py OUT MODE
 
 MODE ``one``: one device (the reference); ``two``: ``cpu:0`` and ``cpu:1`` with automatic shares (run with
-``MULTIGPU_PARK=force``: the second device is set aside after each fit's first epoch and comes back at its end).
-Fits at batch 64 for 3 epochs, then at 128 for 2 (the device comes back at a larger batch), with validation,
-Adam (its state in parts where the run shards it) and a metric.  Each rank writes its weights to
-``OUT.rank<r>.npz`` and rank 0 the histories, each fit's last epoch report and the shares after it to ``OUT``.
+``MULTIGPU_PARK=force``: the second device is set aside after each fit's first epoch and comes back at its end;
+``force:1``: the first).  Fits at batch 64 for 3 epochs, then at 128 for 2 (the device comes back at a larger
+batch), with validation, Adam (its state in parts where the run shards it) and a metric.  Each rank writes its
+weights to ``OUT.rank<r>.npz`` and the weights it held at each epoch's end (as its callbacks see them) to
+``OUT.rank<r>.epochs.npy``, and rank 0 the histories, each fit's last epoch report and the shares after it to
+``OUT``.
 """
 
 import json
@@ -32,9 +34,15 @@ if mode == "two":
     model = multigpu.parallelize(model, devices=["cpu:0", "cpu:1"], ratios="auto")
 model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
-histories, reports, aside = [], [], []
-watch = keras.callbacks.LambdaCallback(  # the devices set aside in each epoch, as multigpu.state says
-    on_epoch_end=lambda epoch, logs: aside.append(multigpu.state(model).aside if mode == "two" else None))
+histories, reports, aside, held = [], [], [], []
+
+
+def seen(epoch, logs):  # the devices set aside in each epoch, as multigpu.state says; the weights callbacks see
+    aside.append(multigpu.state(model).aside if mode == "two" else None)
+    held.append(np.concatenate([np.ravel(w) for w in model.get_weights()]))
+
+
+watch = keras.callbacks.LambdaCallback(on_epoch_end=seen)
 for batch, epochs in ((64, 3), (128, 2)):
     h = model.fit(x[:512], y[:512], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
                   validation_data=(x[512:], y[512:]), callbacks=[watch])
@@ -42,6 +50,7 @@ for batch, epochs in ((64, 3), (128, 2)):
     reports.append(multigpu.state(model).last_report if mode == "two" else None)  # the fit's last epoch
 rank = multigpu.rank() if mode == "two" else 0
 np.savez(f"{out}.rank{rank}.npz", *[np.asarray(w) for w in model.get_weights()])
+np.save(f"{out}.rank{rank}.epochs.npy", np.stack(held))
 if rank == 0:
     state = multigpu.state(model) if mode == "two" else None
     with open(out, "w") as f:
