@@ -16,10 +16,12 @@ class Recorded(StepsCore):
     def __init__(self, parallel) -> None:
         super().__init__(parallel)
         self.sent: list[tuple[str, list]] = []
+        self.sources: list[int | None] = []  # the rank each broadcast is from (None: the leader)
         self.offsets: list[tuple[list, int]] = []
 
-    def _broadcast_variables(self, variables, what):
+    def _broadcast_variables(self, variables, what, src=None):
         self.sent.append((what, list(variables)))
+        self.sources.append(src)
 
     def _offset_seeds(self, variables, offset):
         self.offsets.append((list(variables), offset))
@@ -80,3 +82,7 @@ def test_replicas_are_realigned_with_optimizer_state_only_across_kinds_of_proces
     assert len(ids) == len(set(ids))
     assert {id(v) for v in model.optimizer.variables} <= set(ids)
     assert {id(v) for v in model.variables} <= set(ids)
+    assert mixed.sources == [None]  # rank 0's copy
+    mixed.balancer.parking.parked, mixed.balancer.parking.kept = [0], 1  # rank 0 set aside: rank 1 trained alone
+    mixed.realign_replicas()
+    assert mixed.sources == [None, 1]
