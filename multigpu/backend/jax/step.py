@@ -103,7 +103,6 @@ class JaxSteps(Evaluation, StepsCore):
         self._compiled = False  # the step running now compiled a function
         self._applied = False  # the update function has been compiled (by the first training step)
         self._ahead = None  # the last step alone's message, which JAX may still be computing (_train_alone)
-        self._still: tuple | None = None  # a step set aside's last logs, and their copy on the host (stand_still)
 
     def methods(self) -> dict:
         """What the model instance gets."""
@@ -307,12 +306,8 @@ class JaxSteps(Evaluation, StepsCore):
         return not self.parallel.options.shard_optimizer
 
     def stand_still(self, logs):
-        """A step set aside: the last step's logs, and the state as Keras passed it in (nothing changed).  The
-        logs on the host, copied once: Keras's callback thread reads them at every step, and a device set aside
-        because it is slow would copy them from JAX again at each one."""
-        if self._still is None or self._still[0] is not logs:
-            self._still = (logs, jax.tree_util.tree_map(np.asarray, logs[0]))
-        return self._still[1], self._state
+        """A step set aside: the last step's logs, and the state as Keras passed it in (nothing changed)."""
+        return logs[0], self._state
 
     def forget_results(self) -> None:
         self._fresh = None
