@@ -1,15 +1,27 @@
 """Automatic shares on real processes: a device throttled to half speed ends with the smaller share,
 the result is kept in the profile, and the next run starts from it; a device set aside and taken back."""
 
+import io
 import json
 import sys
+import zipfile
 
+import h5py
 import numpy as np
 import pytest
 
 from tests.conftest import SCRIPTS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+def saved_arrays(path) -> dict:
+    """Every array a ``.keras`` file holds (the weights, the optimizer's variables), by its path in the file."""
+    with zipfile.ZipFile(path) as archive, h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as f:
+        found = {}
+        f.visititems(lambda name, item: found.update({name: np.asarray(item)}) if isinstance(item, h5py.Dataset)
+                     else None)
+    return found
 
 
 def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(runner):
@@ -65,6 +77,11 @@ def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner,
     assert seen.shape == reference.shape == (5, reference.shape[1])
     for epoch, (got_weights, want) in enumerate(zip(seen, reference)):
         assert np.max(np.abs(got_weights - want)) <= 1e-5 * np.max(np.abs(want)), epoch
+    # rank 0's ModelCheckpoint in the first fit's last epoch, aside since its second: weights and Adam's state
+    saved, wanted = (saved_arrays(f"{path}.fit64-epoch3.keras") for path in (out, runner.tmp_path / "one.json"))
+    assert saved.keys() == wanted.keys() and any("optimizer" in k for k in saved), sorted(saved)
+    for k, want in wanted.items():
+        assert np.max(np.abs(saved[k] - want)) <= 1e-5 * max(np.max(np.abs(want)), 1e-30), k
     got = json.loads(out.read_text())
     reference = json.loads((runner.tmp_path / "one.json").read_text())["histories"]
     for fit, fit_reference in zip(got["histories"], reference):

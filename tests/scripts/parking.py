@@ -8,7 +8,7 @@ MODE ``one``: one device (the reference); ``two``: ``cpu:0`` and ``cpu:1`` with 
 batch), with validation, Adam (its state in parts where the run shards it) and a metric.  Each rank writes its
 weights to ``OUT.rank<r>.npz`` and the weights it held at each epoch's end (as its callbacks see them) to
 ``OUT.rank<r>.epochs.npy``, and rank 0 the histories, each fit's last epoch report and the shares after it to
-``OUT``.
+``OUT``, and a ``ModelCheckpoint`` at every epoch's end to ``OUT.fit<batch>-epoch<n>.keras``.
 """
 
 import json
@@ -45,7 +45,8 @@ def seen(epoch, logs):  # the devices set aside in each epoch, as multigpu.state
 watch = keras.callbacks.LambdaCallback(on_epoch_end=seen)
 for batch, epochs in ((64, 3), (128, 2)):
     h = model.fit(x[:512], y[:512], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
-                  validation_data=(x[512:], y[512:]), callbacks=[watch])
+                  validation_data=(x[512:], y[512:]),
+                  callbacks=[watch, keras.callbacks.ModelCheckpoint(f"{out}.fit{batch}-epoch{{epoch}}.keras")])
     histories.append(h.history)
     reports.append(multigpu.state(model).last_report if mode == "two" else None)  # the fit's last epoch
 rank = multigpu.rank() if mode == "two" else 0
