@@ -85,6 +85,7 @@ class StepDriver:
             rows = batch_rows(keras.utils.unpack_x_y_sample_weight(data)[0])
         plan = balancer.planner.take(rows)
         if self.aside.here and not plan.local:
+            self.aside.taken += 1
             return steps.stand_still(self.aside.logs)  # set aside: no rows, no sum (multigpu.backend.parking)
         if balancer.lost and any(plan.sizes[r] for r in balancer.lost):
             data, plan = recovery.cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)

@@ -15,9 +15,12 @@ moves, at epoch boundaries, where every rank runs the same hooks
   before the move with rows for a rank set aside (an input that draws
   ahead) is stepped on by every rank together, as before;
 * **an epoch's end** while the leader is set aside (the device left is
-  another): the weights and optimizer state of the rank left sent to every
-  rank, so that the leader's callbacks (saves, early stopping) see what was
-  trained;
+  another): the rank left's weights sent to every rank, so that the leader's
+  callbacks (``get_weights``, early stopping, a variable read) see what was
+  trained; its optimizer state too before a save (:meth:`SetAside.up_to_date`,
+  from the model's ``save``, which every rank calls), and not at every epoch
+  (Adam's state is twice the weights, and a slow leader makes every rank wait
+  for what it receives);
 * **back** (an epoch's end when the trial lost, and every ``fit``'s end):
   the whole optimizer state on every rank, the rank left's weights, optimizer
   state and random streams sent to every rank (as to a rank that came back
@@ -49,6 +52,9 @@ class SetAside:
         self.steps = steps
         self._weights: list[float] | None = None  # each rank's part of the optimizer state before
         self.logs = None  # this rank's last logs, which a step set aside returns
+        # Steps taken with the leader set aside (every rank counts them), and the count when the rank left last
+        # sent its weights, and its whole state, to every rank.
+        self.taken = self._weights_at = self._state_at = 0
 
     @property
     def comm(self):
@@ -76,6 +82,7 @@ class SetAside:
             self.logs = attempt(data, plan)
             return self.logs
         self.comm.alone = True  # (one rank left: epoch_begins sets aside no fewer)
+        self.taken += 1
         try:
             self.logs = attempt(data, plan)
         finally:
@@ -119,9 +126,18 @@ class SetAside:
         kept = self.judgment.kept
         if not self.judgment.keeps_aside():
             self._back(epoch)
-        elif kept != self.comm.leader:
+        elif kept != self.comm.leader and self.taken > self._weights_at:
+            self.steps._broadcast_variables(self.steps._state_variables(), "sending the weights to the leader", kept)
+            self._weights_at = self.taken
+
+    def up_to_date(self) -> None:
+        """Before a save (every rank): while the leader is set aside, the rank left's whole state (weights and
+        optimizer state) on every rank, where it trained since it last sent it."""
+        kept = self.judgment.kept
+        if self.judgment.parked and kept != self.comm.leader and self.taken > self._state_at:
             with self.steps.whole_optimizers():  # (optimizer state in parts: the rank left holds every part)
                 self.steps._welcome_state(kept)
+            self._weights_at = self._state_at = self.taken
 
     def fit_ends(self) -> None:
         """Every device back, with the rank left's state."""

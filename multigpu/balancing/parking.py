@@ -27,8 +27,9 @@ records), so every rank moves at the same epoch boundary.
   unless another's estimate beats the leader's by :data:`MARGIN` (two equal
   devices: the leader, whichever measured a little faster), so a slow device
   listed first is set aside as a slow one listed last is.  While the leader is
-  set aside, the device left sends it its weights and optimizer state at every
-  epoch's end (the leader's callbacks save and read what was trained).
+  set aside, the device left sends it its weights at every epoch's end and its
+  whole state before a save (the leader's callbacks read and save what was
+  trained: :mod:`multigpu.backend.parking`).
 * **Tried**: while set aside, the device left measures its throughput alone;
   at the epoch's end it keeps the others aside when it ran at least as fast
   as they ran together, else they come back, and this ``fit`` does not set

@@ -200,6 +200,7 @@ class ParallelModel:
         When Keras refuses the call on rank 0 (a wrong extension, an unknown
         argument), every rank raises the same error.
         """
+        self.steps.driver.aside.up_to_date()  # (the leader set aside: the state trained elsewhere first)
         while True:
             leader = self.comm.leader
             error: Exception | None = None
