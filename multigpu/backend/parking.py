@@ -119,8 +119,8 @@ class SetAside:
 
     def epoch_ends(self, epoch: int) -> None:
         """The trial's verdict (:meth:`epoch_ending` shared what it reads): the ranks set aside come back when
-        the rank left ran slower; while they stay aside and the leader is among them, the rank left's state sent
-        to every rank."""
+        the rank left ran slower; while they stay aside and the leader is among them, the rank left's weights
+        sent to every rank (its optimizer state goes before a save: :meth:`up_to_date`)."""
         if not self.judgment.parked:
             return
         kept = self.judgment.kept
