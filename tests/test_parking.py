@@ -142,3 +142,8 @@ def test_the_testing_aid_forces_the_move_or_none(monkeypatch):
     monkeypatch.setenv("MULTIGPU_PARK", "off")
     slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])
     assert judged(slow, slow).due == []
+    for wrong in ("force:2", "force:x", "forse"):  # a rank this run does not have, a misspelling: said at once
+        monkeypatch.setenv("MULTIGPU_PARK", wrong)
+        with pytest.raises(ValueError, match=rf"must be 'force', 'force:R' with R a rank of this run \(0 to 1\) "
+                                             rf"or 'off'. Received: MULTIGPU_PARK='{wrong}'"):
+            Parking(DEVICES, print)

@@ -70,9 +70,13 @@ class Parking:
         self._log = log
         self.allowed = False  # automatic shares on steps that can leave ranks out of the sum (set by the steps)
         park = env.get(env.PARK) or ""
-        self.forced = park == "force" or park.startswith("force:")
-        self.forced_keeper = int(park.removeprefix("force:")) if park.startswith("force:") else None
-        self.never = env.get(env.PARK) == "off"
+        keeper = park.removeprefix("force:") if park.startswith("force:") else None
+        if park not in ("", "force", "off") and not (keeper and keeper.isdigit() and int(keeper) < len(devices)):
+            raise ValueError(f"{env.PARK} (a testing aid) must be 'force', 'force:R' with R a rank of this run "
+                             f"(0 to {len(devices) - 1}) or 'off'. Received: {env.PARK}={park!r}")
+        self.forced = park == "force" or keeper is not None
+        self.forced_keeper = int(keeper) if keeper is not None else None
+        self.never = park == "off"
         self.due: list[int] = []  # ranks to set aside at the next epoch's start
         self.parked: list[int] = []  # ranks set aside now
         self.kept: int | None = None  # the rank left (judged, then while the others are aside)
