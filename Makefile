@@ -22,12 +22,13 @@ $(DEMO_STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e ".[plot]"
 	touch $(DEMO_STAMP)
 
-# What the tests need on top: jax's CPU build for the JAX backend (KERAS_BACKEND=jax), the test tools,
+# What the tests need on top: jax's CPU build for the JAX backend (KERAS_BACKEND=jax), the test tools, the
+# documentation site's (make test builds it),
 # keras-hub for the tests of its tasks, without TensorFlow: --no-deps leaves out its tensorflow-text
 # requirement (used only by its TF tokenizers), and the rest of what it imports comes before it (one pip call:
 # each call resolves and builds multigpu's editable wheel again).
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/pip install --quiet "jax[cpu]==0.10.2" -e ".[test]" absl-py regex rich tokenizers sentencepiece kagglehub grain
+	$(BIN)/pip install --quiet "jax[cpu]==0.10.2" -e ".[test,docs]" absl-py regex rich tokenizers sentencepiece kagglehub grain
 	$(BIN)/pip install --quiet --no-deps "keras-hub==0.32.0"
 	# The Jupyter kernel the notebook tests run in, inside .venv (nothing outside it is touched).
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
@@ -51,7 +52,9 @@ demo: $(if $(filter tensorflow,$(DEMO_BACKEND)),$(TEST_STAMP),$(if $(filter jax,
 # The documentation site (docs/, mkdocs.yml) into site/: --strict, so that a broken link or reference fails.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(DEMO_STAMP)
-	$(BIN)/pip install --quiet -e ".[docs]"
+	@# (the tests' set-up installs it too, in its one pip call: then nothing more to do)
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || \
+		$(BIN)/pip install --quiet -e ".[docs]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

@@ -118,7 +118,9 @@ OUTSIDE = {
     "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[tensorflow-0]":
         "the same moves, through the same neutral code, on torch and JAX stay, and TensorFlow's with CPU:1 kept",
     "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[jax-1]":
-        "JAX's step alone on rank 0 stays; CPU:1 kept stays on torch and TensorFlow (the neutral moves)",
+        "JAX's step alone on rank 0 stays; CPU:1 kept stays on TensorFlow (the neutral moves)",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[torch-1]":
+        "CPU:1 kept on TensorFlow stays (the moves are neutral: multigpu/backend/parking.py), and CPU:0 kept on torch",
     "test_memory.py::test_a_convnet_on_a_device_with_little_memory_at_batch_b_then_2b_equals_one_device"
     "[tensorflow-384MiB]":
         "the same caps and out-of-memory steps through the neutral step driver on torch stay",
