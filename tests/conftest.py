@@ -115,12 +115,24 @@ OUTSIDE = {
         "3:1 over shared memory and 1:3 over gloo stay; three devices stay through tf.data and loaders at 1:2:5",
     "test_reliability.py::test_every_failure_ends_the_run_within_its_timeout[sleep]":
         "a rank that never reaches the collective ends the run within its timeout in the catch case, which stays",
-    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[tensorflow-0]":
-        "the same moves, through the same neutral code, on torch and JAX stay, and TensorFlow's with CPU:1 kept",
-    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[jax-1]":
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[tensorflow-0-False]":
+        "the same moves, through the same neutral code, on JAX stay, and on torch and TensorFlow measured again "
+        "mid-fit (more moves)",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[jax-1-False]":
         "JAX's step alone on rank 0 stays; CPU:1 kept stays on TensorFlow (the neutral moves)",
-    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[torch-1]":
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[torch-1-False]":
         "CPU:1 kept on TensorFlow stays (the moves are neutral: multigpu/backend/parking.py), and CPU:0 kept on torch",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[torch-0-False]":
+        "the same case measured again mid-fit on torch (more moves) and CPU:0 kept on JAX stay",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[tensorflow-1-False]":
+        "the same case measured again mid-fit (its first fit's moves and more, with the leader set aside) stays",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[tensorflow-0-True]":
+        "measured again mid-fit with CPU:1 kept on TensorFlow (the step functions made again) and on torch stay",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[torch-1-True]":
+        "measured again mid-fit with CPU:0 kept on torch and CPU:1 kept on TensorFlow stay",
+    "test_balancing_run.py::test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices[jax-1-True]":
+        "measured again mid-fit on torch and TensorFlow stays (the moves are neutral; JAX's state is read again at "
+        "each epoch's start)",
     "test_memory.py::test_a_convnet_on_a_device_with_little_memory_at_batch_b_then_2b_equals_one_device"
     "[tensorflow-384MiB]":
         "the same caps and out-of-memory steps through the neutral step driver on torch stay",

@@ -45,27 +45,36 @@ def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(ru
     assert runner.leftovers() == []
 
 
-@pytest.mark.parametrize(("backend", "kept"), [("torch", 0), ("tensorflow", 0), ("jax", 0), ("torch", 1),
-                                             ("tensorflow", 1), ("jax", 1)])
-def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend, kept):
+@pytest.mark.parametrize(("backend", "kept", "remeasure"), [
+    ("torch", 0, False), ("tensorflow", 0, False), ("jax", 0, False), ("torch", 1, False), ("tensorflow", 1, False),
+    ("jax", 1, False), ("torch", 0, True), ("tensorflow", 1, True), ("tensorflow", 0, True), ("torch", 1, True), ("jax", 1, True)])
+def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend, kept, remeasure):
     """MULTIGPU_PARK=force sets CPU:1 aside after each fit's first epoch (``force:1``: CPU:0, the leader, whose
     callbacks still see the weights trained on CPU:1 at every epoch's end): its epochs have no rows and no sum,
     the metrics stay global, and at a larger batch in the next fit it trains again: weights and logs equal one
-    device's, every rank holds them."""
+    device's, every rank holds them.  ``remeasure``: measured again after one epoch aside (then two), the device
+    comes back within the fit and is set aside again (the script's ``remeasure``)."""
     if backend == "tensorflow":
         pytest.importorskip("tensorflow", reason="the TensorFlow backend's tests need TensorFlow")
     out = runner.tmp_path / "two.json"
     park = "force" if kept == 0 else f"force:{kept}"
     env = {"KERAS_BACKEND": backend, "MULTIGPU_PARK": park, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = runner.together(([sys.executable, str(SCRIPTS / "parking.py"), str(runner.tmp_path / "one.json"), "one"],
-                            env),
+    extra = ["remeasure"] if remeasure else []
+    done = runner.together(([sys.executable, str(SCRIPTS / "parking.py"), str(runner.tmp_path / "one.json"), "one",
+                             *extra], env),
                            ([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1",
-                             str(SCRIPTS / "parking.py"), str(out), "two"], env), timeout=240)
+                             str(SCRIPTS / "parking.py"), str(out), "two", *extra], env), timeout=240)
     for res in done:
         assert res.returncode == 0, res.stdout[-3000:]
     aside = 1 - kept
     said = f"CPU:{aside} set aside from epoch 2: MULTIGPU_PARK={park}"
     assert done[1].stdout.count(said) == 2, done[1].stdout[-3000:]
+    if remeasure:  # aside in epochs 2, 4 and 5 of the first fit, back for epoch 3 and after epoch 5
+        for line in (f"CPU:{aside} set aside from epoch 4: MULTIGPU_PARK={park}",
+                     f"CPU:{aside} back after epoch 2 to be measured again: aside 1 epochs",
+                     f"CPU:{aside} back after epoch 5 to be measured again: aside 2 epochs"):
+            assert line in done[1].stdout, (line, done[1].stdout[-3000:])
+    epochs = 7 if remeasure else 5
     one, two = np.load(f"{runner.tmp_path / 'one.json'}.rank0.npz"), np.load(f"{out}.rank0.npz")
     other = np.load(f"{out}.rank1.npz")
     for k in one.files:
@@ -74,11 +83,13 @@ def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner,
     # what rank 0's callbacks saw at every epoch's end (saves, early stopping): one device's weights, also
     # while rank 0 itself was set aside
     seen, reference = np.load(f"{out}.rank0.epochs.npy"), np.load(f"{runner.tmp_path / 'one.json'}.rank0.epochs.npy")
-    assert seen.shape == reference.shape == (5, reference.shape[1])
+    assert seen.shape == reference.shape == (epochs, reference.shape[1])
     for epoch, (got_weights, want) in enumerate(zip(seen, reference)):
         assert np.max(np.abs(got_weights - want)) <= 1e-5 * np.max(np.abs(want)), epoch
-    # rank 0's ModelCheckpoint in the first fit's last epoch, aside since its second: weights and Adam's state
-    saved, wanted = (saved_arrays(f"{path}.fit64-epoch3.keras") for path in (out, runner.tmp_path / "one.json"))
+    # rank 0's ModelCheckpoint in the first fit's last epoch, aside since its second (remeasure: in its 4th, aside
+    # again since then): weights and Adam's state
+    last = 4 if remeasure else 3
+    saved, wanted = (saved_arrays(f"{path}.fit64-epoch{last}.keras") for path in (out, runner.tmp_path / "one.json"))
     assert saved.keys() == wanted.keys() and any("optimizer" in k for k in saved), sorted(saved)
     for k, want in wanted.items():
         assert np.max(np.abs(saved[k] - want)) <= 1e-5 * max(np.max(np.abs(want)), 1e-30), k
@@ -96,5 +107,8 @@ def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner,
     assert min(got["ratios"]) > 0.05, got["ratios"]
     # multigpu.state(model).aside at each epoch's end: the device set aside from each fit's second epoch, none
     # after the fits
-    assert got["aside"] == [[], [aside], [aside], [], [aside]] and got["after"] == [], got["aside"]
+    if remeasure:  # (each epoch's end runs the moves before the callbacks: back after epochs 2 and 5 of the first)
+        assert got["aside"] == [[], [], [], [aside], [], [], []] and got["after"] == [], got["aside"]
+    else:
+        assert got["aside"] == [[], [aside], [aside], [], [aside]] and got["after"] == [], got["aside"]
     assert runner.leftovers() == []

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from multigpu.balancing.parking import EPOCHS, MARGIN, Parking
+from multigpu.balancing.parking import EPOCHS, MARGIN, REMEASURE, Parking
 from multigpu.balancing.timing import StepRecord
 
 DEVICES = [SimpleNamespace(label="CPU:0"), SimpleNamespace(label="CPU:1")]
@@ -128,6 +128,29 @@ def test_aside_the_shares_move_and_the_trial_decides_the_return(monkeypatch):
     p.judge(slow, 0)
     p.judge(slow, 0)
     assert p.due == [1]  # a new fit judges again
+
+
+def test_devices_set_aside_are_measured_again_after_some_epochs_then_twice_as_late():
+    slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])
+    p = judged(slow, slow)
+    p.park([0.9, 0.1], epoch=2)
+    p.observe(StepRecord(wall=(0.02, 0.0), step=(0.02, 0.0), compute=(0.02, 0.0), samples=(64, 0)))
+    ends = [p.keeps_aside() and p.remeasure_due() for _ in range(REMEASURE)]
+    assert ends == [False] * (REMEASURE - 1) + [True]  # aside REMEASURE epochs: back to be measured
+    assert p.back(epoch=2 + REMEASURE, again=True) == [0.9, 0.1] and p.parked == []
+    assert (f"CPU:1 back after epoch {3 + REMEASURE} to be measured again: aside {REMEASURE} epochs, alone ran "
+            "3200 samples/s where the 2 devices ran 1600 together before") in p.lines[-1]
+    faster = epoch([600, 300], [0.1, 0.1], [0.14, 0.14])  # together now 6,429/s, CPU:0 alone 6,000 at most
+    p.judge(faster, 0)
+    assert p.due == [] and p.together == pytest.approx(900 / 0.14)  # judged on the new figure: they pay
+    p.judge(epoch([600, 40], [0.01, 0.1], [0.4, 0.4]), 0)  # CPU:0 alone 60,000/s: set aside again
+    assert p.due == [1]
+    p.park([0.9, 0.1], epoch=20)
+    ends = [p.remeasure_due() for _ in range(2 * REMEASURE)]
+    assert ends.index(True) == 2 * REMEASURE - 1  # the next measurement comes twice as late
+    p.back(None)
+    p.begin_fit()
+    assert p.period == REMEASURE  # each fit starts at REMEASURE again
 
 
 def test_the_testing_aid_forces_the_move_or_none(monkeypatch):

@@ -21,7 +21,8 @@ moves, at epoch boundaries, where every rank runs the same hooks
   from the model's ``save``, which every rank calls), and not at every epoch
   (Adam's state is twice the weights, and a slow leader makes every rank wait
   for what it receives);
-* **back** (an epoch's end when the trial lost, and every ``fit``'s end):
+* **back** (an epoch's end when the trial lost, or to be measured again
+  after some epochs aside, and every ``fit``'s end):
   the whole optimizer state on every rank, the rank left's weights, optimizer
   state and random streams sent to every rank (as to a rank that came back
   after a loss), and the shares from before.
@@ -119,13 +120,17 @@ class SetAside:
 
     def epoch_ends(self, epoch: int) -> None:
         """The trial's verdict (:meth:`epoch_ending` shared what it reads): the ranks set aside come back when
-        the rank left ran slower; while they stay aside and the leader is among them, the rank left's weights
-        sent to every rank (its optimizer state goes before a save: :meth:`up_to_date`)."""
+        the rank left ran slower, or to be measured again when they were aside long enough
+        (:meth:`~multigpu.balancing.parking.Parking.remeasure_due`); while they stay aside and the leader is
+        among them, the rank left's weights sent to every rank (its optimizer state goes before a save:
+        :meth:`up_to_date`)."""
         if not self.judgment.parked:
             return
         kept = self.judgment.kept
         if not self.judgment.keeps_aside():
             self._back(epoch)
+        elif self.judgment.remeasure_due():
+            self._back(epoch, again=True)
         elif kept != self.comm.leader and self.taken > self._weights_at:
             self.steps._broadcast_variables(self.steps._state_variables(), "sending the weights to the leader", kept)
             self._weights_at = self.taken
@@ -144,12 +149,12 @@ class SetAside:
         if self.judgment.parked:
             self._back(None)
 
-    def _back(self, epoch: int | None) -> None:
+    def _back(self, epoch: int | None, again: bool = False) -> None:
         shards = self.steps.shards
         if shards is not None:
             shards.gather()  # the ranks left hold every part: each rank holds the whole state
         self.steps._welcome_state(self.judgment.kept)  # its weights, optimizer state and random streams everywhere
-        self.balancer.set_ratios(self.judgment.back(epoch))
+        self.balancer.set_ratios(self.judgment.back(epoch, again))
         if shards is not None and self._weights is not None:
             shards.repartition(self._weights)
         self.steps.forget_results()

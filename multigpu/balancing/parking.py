@@ -35,6 +35,12 @@ records), so every rank moves at the same epoch boundary.
   as they ran together, else they come back, and this ``fit`` does not set
   them aside again (a trial that lost costs one epoch at the device's speed
   alone, which its ceiling put near the together figure).
+* **Measured again**: after :data:`REMEASURE` epochs aside in a ``fit`` the
+  devices set aside come back for one epoch, which is judged as the first
+  ones were (the devices together measured anew: a device that was busy or a
+  link that was slow may pay now); set aside again, they stay twice as long
+  before the next measurement (the cost of the epochs together halves each
+  time).
 * **Back**: at every ``fit``'s end (the next ``fit`` judges again, at its
   batch), or when the trial lost.
 
@@ -51,10 +57,11 @@ from collections.abc import Callable, Sequence
 from multigpu import env
 from multigpu.balancing.timing import StepRecord
 
-__all__ = ["EPOCHS", "MARGIN", "Parking"]
+__all__ = ["EPOCHS", "MARGIN", "REMEASURE", "Parking"]
 
 MARGIN = 1.1  # the device left alone must compute this much faster than the devices ran together
 EPOCHS = 2  # epochs of a fit judged: the first one's steps hold its start-up (new sizes, the search's first moves)
+REMEASURE = 8  # epochs aside before the devices set aside are measured again (then twice as many each time)
 
 
 class Parking:
@@ -87,10 +94,13 @@ class Parking:
         self.judgment: dict | None = None  # the last judgment's figures (:meth:`verdict`), and what came of it
         self._epochs = 0
         self._alone = [0, 0.0]  # samples and seconds of the steps alone
+        self._aside_epochs = 0  # epochs ended with the devices set aside, since they were last set aside
+        self.period = REMEASURE  # epochs aside before they are measured again (doubles each time, per fit)
 
     def begin_fit(self) -> None:
         """A new ``fit``: every device in again (:meth:`back` ran at the last one's end), judged anew."""
         self.due, self.tried, self.together, self._epochs = [], False, 0.0, 0
+        self.period = REMEASURE
 
     # ------------------------------------------------------------- the judgment
     def judge(self, e: dict, leader: int | None, solo: Sequence[float] | None = None) -> None:
@@ -181,6 +191,7 @@ class Parking:
         self.parked, self.due, self.tried = list(self.due), [], True
         self.kept_ratios = list(ratios)
         self._alone = [0, 0.0]
+        self._aside_epochs = 0
         out = [0.0 if r in self.parked else float(v) for r, v in enumerate(ratios)]
         left = [r for r in range(len(out)) if r not in self.parked]
         names = ", ".join(self.devices[r].label for r in self.parked)
@@ -222,10 +233,25 @@ class Parking:
         """At an epoch's end, on the rank left: whether it ran at least as fast as all the devices together."""
         return self.forced or self.alone == 0.0 or self.alone >= self.together
 
-    def back(self, epoch: int | None) -> list[float]:
-        """Every device in again (every rank; ``epoch``: the trial lost at its end, None: the fit ended);
-        returns the shares from then on."""
-        if epoch is not None:
+    def remeasure_due(self) -> bool:
+        """At the end of an epoch aside that :meth:`keeps_aside` kept (every rank): whether the devices set aside
+        have been aside :attr:`period` epochs, and come back to be measured again."""
+        self._aside_epochs += 1
+        return self._aside_epochs >= self.period
+
+    def back(self, epoch: int | None, again: bool = False) -> list[float]:
+        """Every device in again (every rank; ``epoch``: the trial lost at its end, None: the fit ended;
+        ``again``: to be measured again, :meth:`remeasure_due`); returns the shares from then on."""
+        if again:
+            names = ", ".join(self.devices[r].label for r in self.parked)
+            self._log(f"{names} back after epoch {epoch + 1} to be measured again: aside {self._aside_epochs} "
+                      f"epochs, alone ran {self.alone:.0f} samples/s where the {len(self.devices)} devices ran "
+                      f"{self.together:.0f} together before; judged at this epoch's end")
+            # The next epoch is judged as the first ones were, on a figure of the devices together taken anew.
+            self.tried, self.together, self.period = False, 0.0, 2 * self.period
+            if self.judgment is not None:
+                self.judgment["set_aside"] = []
+        elif epoch is not None:
             names = ", ".join(self.devices[r].label for r in self.parked)
             self._log(f"{names} back after epoch {epoch + 1}: alone ran {self.alone:.0f} samples/s, less than "
                       f"the {self.together:.0f} together")

@@ -1,6 +1,6 @@
 """A device set aside and taken back: the result equals one device's.
 
-    python parking.py OUT MODE
+    python parking.py OUT MODE [remeasure]
 
 MODE ``one``: one device (the reference); ``two``: ``cpu:0`` and ``cpu:1`` with automatic shares (run with
 ``MULTIGPU_PARK=force``: the second device is set aside after each fit's first epoch and comes back at its end;
@@ -9,6 +9,10 @@ batch), with validation, Adam (its state in parts where the run shards it) and a
 weights to ``OUT.rank<r>.npz`` and the weights it held at each epoch's end (as its callbacks see them) to
 ``OUT.rank<r>.epochs.npy``, and rank 0 the histories, each fit's last epoch report and the shares after it to
 ``OUT``, and a ``ModelCheckpoint`` at every epoch's end to ``OUT.fit<batch>-epoch<n>.keras``.
+
+``remeasure``: the first fit runs 5 epochs, and the devices set aside are measured again after one epoch aside
+(:data:`multigpu.balancing.parking.REMEASURE`, 8 in a real run; then twice as late): aside in epochs 2, 4 and
+5 of the first fit and 2 of the second, back for epoch 3 (and at each fit's end).
 """
 
 import json
@@ -24,6 +28,11 @@ from seeding import set_random_seed
 import multigpu
 
 out, mode = sys.argv[1], sys.argv[2]
+remeasure = sys.argv[3:] == ["remeasure"]
+if remeasure:
+    import multigpu.balancing.parking
+
+    multigpu.balancing.parking.REMEASURE = 1
 rng = np.random.default_rng(0)
 x = rng.standard_normal((640, 32)).astype(np.float32)
 y = (x[:, :10].argmax(axis=1) + (x[:, 10] > 1)).astype(np.int64) % 10
@@ -43,7 +52,7 @@ def seen(epoch, logs):  # the devices set aside in each epoch, as multigpu.state
 
 
 watch = keras.callbacks.LambdaCallback(on_epoch_end=seen)
-for batch, epochs in ((64, 3), (128, 2)):
+for batch, epochs in ((64, 5 if remeasure else 3), (128, 2)):
     h = model.fit(x[:512], y[:512], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
                   validation_data=(x[512:], y[512:]),
                   callbacks=[watch, keras.callbacks.ModelCheckpoint(f"{out}.fit{batch}-epoch{{epoch}}.keras")])

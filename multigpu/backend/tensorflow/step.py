@@ -167,6 +167,13 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
     def forget_results(self) -> None:
         self._fresh = None
 
+    def sum_over_all(self, every: bool) -> None:
+        """Devices set aside or back (:mod:`multigpu.backend.parking`): with the optimizer state in parts, its
+        parts were dealt again, which the traced step functions captured (the variables each rank holds, sized
+        by its part): they are made again, and traced at their next call."""
+        if self.shards is not None:
+            self._train = None
+
     def lost_peer(self, exc: BaseException):
         """A loss inside a TensorFlow function comes wrapped in TensorFlow's error: the engine kept it."""
         return self.comm.take_lost() or (exc if isinstance(exc, PeerLostError) else None)
