@@ -47,7 +47,8 @@ def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(ru
 
 @pytest.mark.parametrize(("backend", "kept", "remeasure"), [
     ("torch", 0, False), ("tensorflow", 0, False), ("jax", 0, False), ("torch", 1, False), ("tensorflow", 1, False),
-    ("jax", 1, False), ("torch", 0, True), ("tensorflow", 1, True), ("tensorflow", 0, True), ("torch", 1, True), ("jax", 1, True)])
+    ("jax", 1, False), ("torch", 0, True), ("tensorflow", 1, True), ("tensorflow", 0, True), ("torch", 1, True),
+    ("jax", 1, True)])
 def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner, backend, kept, remeasure):
     """MULTIGPU_PARK=force sets CPU:1 aside after each fit's first epoch (``force:1``: CPU:0, the leader, whose
     callbacks still see the weights trained on CPU:1 at every epoch's end): its epochs have no rows and no sum,
