@@ -220,7 +220,7 @@ def parallelize(
     options = BalanceOptions(spec, auto=auto, rebalance=auto if rebalance is None else rebalance,
                              profile=None if profile is None else os.fspath(profile), recalibrate=recalibrate,
                              caps=caps, report=report, grid=facts.grid, scan=facts.scan,
-                             compression=compression)
+                             off_grid=facts.off_grid, compression=compression)
     comm = _COMMS.get(id(runtime))
     if comm is None:
         comm = _COMMS[id(runtime)] = backend.get().Comm(runtime, transport)

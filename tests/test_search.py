@@ -185,6 +185,35 @@ def test_a_grid_bounds_the_local_batch_sizes_tried():
     assert achieved >= 0.96 * best_throughput((200, 100), batch=256)
 
 
+def test_settled_between_two_sizes_of_the_grid_the_search_takes_the_speeds_balance_off_it():
+    """The TensorFlow demo's case: 512 rows on a grid of 16, devices at 3,764 and 1,846 samples/s, whose balance
+    (344 + 168) lies between the grid's 352 + 160 (7.8% out of balance) and 336 + 176: the search moves on the
+    grid, then settles at the balance, one size off it; a fall of throughput starts it again on the grid."""
+    speeds = (3764.0, 1846.0)
+    search = ShareSearch([0.69, 0.31], 512, min_step=16 / 512, quantum=16, first_step=0.04, scan=(),
+                         fixed_costs=False, off_grid=True)
+    tried, events = [], []
+    for _ in range(40):
+        shares = capped_split(512, search.ratios, quantum=search.quantum)
+        tried.append(tuple(shares))
+        times = [b / s for b, s in zip(shares, speeds)]
+        events += search.observe(Window(tuple(search.ratios), 2560, 5 * max(times), tuple(5 * t for t in times),
+                                        tuple(5 * b for b in shares)))
+    assert search.settled and search.quantum == 1
+    assert capped_split(512, search.ratios) == [344, 168], search.ratios
+    off = [t for t in tried if t[0] % 16]
+    assert set(off) == {(344, 168)}, sorted(set(tried))  # the grid's sizes, and the balance once settled
+    [settle] = [e for e in events if e.kind == "settle"]
+    assert ("the compute speeds call for 344 + 168 rows, between two sizes of the grid (a step 2.3% shorter than "
+            "at 352 + 160): settled there") in settle.reason
+    for _ in range(12):  # throughput falls for good (a device slowed down): the search starts again, on the grid
+        later = search.observe(Window(tuple(search.ratios), 2560, 1.0, (0.5, 0.5), (5 * 344, 5 * 168)))
+        if any(e.kind == "restart" for e in later):
+            break
+    assert any(e.kind == "restart" for e in later) and search.quantum == search.grid == 16, later
+    assert all(b % 16 == 0 for b in capped_split(512, search.ratios, quantum=search.quantum)), search.ratios
+
+
 def test_a_run_of_failed_probes_settles_the_search():
     """On a noisy machine each failed probe costs a window at worse shares: ``patience`` bounds them."""
     for patience in (2, 4):

@@ -32,6 +32,8 @@ class Facts:
             once per local batch size); 0 for any size.
         scan: whether the share search opens with a scan of shares (cheap where
             a new local batch size costs nothing).
+        off_grid: whether the search, settled, may take one size off the grid where the speeds' balance lies
+            between two of its sizes (a trace of a fraction of a second; not where a size compiles for seconds).
         compression: the names ``compression=`` takes beside ``None``.
         gpu_count: the GPUs this process can use.
         gpu_info: one GPU's facts by index: at least ``name``, and where the
@@ -58,6 +60,7 @@ class Facts:
     name: str
     grid: int = 0
     scan: bool = True
+    off_grid: bool = False
     compression: tuple[str, ...] = tuple(HALF_PRECISION)
     gpu_count: Callable[[], int] = field(default=_no_gpus)
     gpu_info: Callable[[int], dict] = field(default=lambda index: {"name": "GPU"})

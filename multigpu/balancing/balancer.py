@@ -192,12 +192,12 @@ class LoadBalancer:
 
     @property
     def quantum(self) -> int:
-        """Local batch sizes are multiples of this many rows (plus a global batch's remainder on one device).
-
-        Only where shares move (automatic shares): fixed shares have their sizes once and for all.
-        """
+        """Local batch sizes are multiples of this many rows (plus a global batch's remainder on one device), where
+        shares move (automatic shares; fixed shares have their sizes once and for all); 1 once the search settled
+        at the speeds' balance between two sizes of the grid (one size off it)."""
         grid = self.options.grid if self.options.auto else 0
-        return max(1, self.batch_size // grid) if grid and self.batch_size else 1
+        q = max(1, self.batch_size // grid) if grid and self.batch_size else 1
+        return min(q, self.search.quantum) if self.search and self.search.batch_size == self.batch_size else q
 
     @property
     def searching(self) -> bool:
@@ -294,10 +294,9 @@ class LoadBalancer:
             return
         if self.search is None or self.search.batch_size != self.batch_size:
             settled = self.search is not None and self.search.settled
-            self.search = ShareSearch(list(self.ratios), self.batch_size, self.options.caps,
-                                      first_step=max(0.04, self.quantum / self.batch_size),
-                                      min_step=self.quantum / self.batch_size, quantum=self.quantum,
-                                      scan=ShareSearch.scan if self.options.scan else ())
+            q, o, b = self.quantum, self.options, self.batch_size
+            self.search = ShareSearch(list(self.ratios), b, o.caps, first_step=max(0.04, q / b), min_step=q / b,
+                                      quantum=q, off_grid=o.off_grid, scan=ShareSearch.scan if o.scan else ())
             if settled:  # a new batch size in a later fit: the shares found stay, watched as settled ones
                 self.search.settle_as_found()
             self._window = StepsWindow()

@@ -29,6 +29,8 @@ class BalanceOptions:
         scan: open the search with a scan of far shares (see
             :class:`~multigpu.balancing.search.ShareSearch`); off where each
             new local batch size compiles (JAX).
+        off_grid: settled, the search may take one size off the grid (:meth:`~multigpu.balancing.settling.
+            Settling._off_grid`; TensorFlow, where a new size is a trace of a fraction of a second).
         compression: how gradients travel (``None``: exact float32), for the advice on slow links.
     """
 
@@ -41,4 +43,5 @@ class BalanceOptions:
     report: bool = False
     grid: int = 0
     scan: bool = True
+    off_grid: bool = False
     compression: str | None = None

@@ -74,6 +74,8 @@ class ShareSearch(Settling):
             below one sample); the search settles when halving would go below.
         quantum: local batch sizes are multiples of this many rows (see
             :func:`~multigpu.planning.shares.capped_split`).
+        off_grid: settled, the search may take the speeds' balance between two sizes of that grid
+            (:meth:`~multigpu.balancing.settling.Settling._off_grid`).
         patience: the search settles after this many undone moves in a row.
         fixed_costs: model each device's step as a fixed part plus a part per
             row once the windows allow it (:class:`StepCosts`).
@@ -96,6 +98,7 @@ class ShareSearch(Settling):
     max_step: float = 0.2
     min_step: float = 0.0
     quantum: int = 1
+    off_grid: bool = False
     patience: int = 4
     fixed_costs: bool = True
     scan: tuple[float, ...] = (0.1, 0.25)
@@ -108,6 +111,7 @@ class ShareSearch(Settling):
     def __post_init__(self) -> None:
         self.ratios = normalize(self.ratios)
         self.base = tuple(self.ratios)
+        self.grid = self.quantum  # the sizes' grid while searching (settled, the speeds' balance may be off it)
         self.step = self.first_step
         self.figures = Figures(self.tuning, self.noise_floor)  # the kept shares' windows, the noise
         self._trial: tuple[tuple[float, ...], str, tuple[int, int] | None] | None = None

@@ -9,9 +9,14 @@ settles at the measured shares nearest that balance whose windows were within
 the noise of the kept shares', unless a move on the way measured clearly
 worse (:meth:`Settling._tie`).  The speeds compare the devices within the
 same steps, so a drift of the whole machine does not move them, while every
-throughput comparison is between windows taken at different times.  Once
-settled, the throughput is watched (:mod:`multigpu.balancing.watch`), and a
-fall that lasts starts the search again.
+throughput comparison is between windows taken at different times.  Where
+local batch sizes sit on a grid (TensorFlow, JAX: a new size traces or
+compiles) and the speeds' balance lies between two of its sizes, neither of
+which is in balance, the search settles at that balance off the grid: one
+more size, never probed, whose gain is below what a window can tell
+(:meth:`Settling._off_grid`).  Once settled, the throughput is watched
+(:mod:`multigpu.balancing.watch`), and a fall that lasts starts the search
+again, on the grid.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from multigpu.balancing.costs import suggest
 from multigpu.balancing.windows import Event
+from multigpu.planning.shares import capped_split
 
 __all__ = ["Settling"]
 
@@ -122,7 +129,39 @@ class Settling:
                 best = (apart(point, target), ratios)
         return best[1] if best is not None else None
 
+    def _off_grid(self) -> tuple[tuple[float, ...], float] | None:
+        """Where sizes sit on a grid (``quantum`` > 1): the compute speeds' balance and the kept shares' step time
+        over the balance's, when that balance lies within one grid step of the kept sizes (the search's own
+        moves, a step each way, went past it) and shortens the step by ``off_grid_gain`` at least; else None."""
+        if not self.off_grid or self.quantum <= 1 or self._speeds is None:
+            return None
+
+        def rows(ratios) -> list[int]:
+            return capped_split(self.batch_size, ratios, self.caps)
+
+        now = self.shares(self.base)  # (within a grid step, each device's time per row at its rows now)
+        _, proposal, imbalance = suggest(now, self._speeds, None, self._costs, rows)
+        target = rows(proposal)
+        if (imbalance < 1 + self.tuning.off_grid_gain or target == now
+                or max(abs(a - b) for a, b in zip(target, now)) >= self.quantum):
+            return None
+        return tuple(proposal), imbalance
+
     def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
+        fine = self._off_grid() if self._tie() is None else None
+        if fine is not None:
+            old, (shares, imbalance) = self.base, fine
+            self.quantum = 1  # one size off the grid; a search started again returns to it (:meth:`_watch`)
+            self.base = self.ratios = shares
+            self.changes += 1
+            self._judged = []
+            self._undone = 0
+            self.settle_as_found()
+            rows = " + ".join(str(b) for b in self.shares(shares))
+            before = " + ".join(str(b) for b in capped_split(self.batch_size, old, self.caps, self.grid))
+            why += (f"; the compute speeds call for {rows} rows, between two sizes of the grid (a step "
+                    f"{1 - 1 / imbalance:.1%} shorter than at {before}): settled there")
+            return [Event("settle", tuple(old), tuple(shares), 0.0, 0.0, why)]
         tie = self._tie()
         if tie is not None:
             old = self.base
@@ -145,6 +184,7 @@ class Settling:
         if why is None:
             return []
         self.settled = False
+        self.quantum = self.grid  # (settled off the grid: the search moves on it again)
         self.step = self.first_step
         self._tried.clear()
         self._momentum = None

@@ -41,6 +41,9 @@ class Tuning:
         tie_noise: see ``tie_imbalance``.
         away_imbalance: a move whose windows leave the compute times further out of balance than the kept
             shares' and beyond ``1 + away_imbalance`` must win by ``strict_factor`` margins.
+        off_grid_gain: settled on a grid of sizes, the search takes the speeds' balance between two of its
+            sizes where the speeds say it shortens the step by at least this fraction (one size more, never
+            probed: its gain is below what a window can tell).
     """
 
     quiet_noise: float = 0.015
@@ -63,3 +66,4 @@ class Tuning:
     tie_imbalance: float = 0.05
     tie_noise: float = 1.0
     away_imbalance: float = 0.05
+    off_grid_gain: float = 0.01

@@ -7,7 +7,8 @@ search moves by that much at least, and it does not open with a scan.  1/32
 rather than JAX's 1/16: a trace costs a fraction of a second where a JAX
 compilation costs more, and on the TensorFlow demo (batch 512, the devices
 computing 3,800 and 2,059 samples/s: even at 332 rows) 1/16's steps of 32 rows
-left the slow device waiting 14% to 17% of a step at 352; 336 is on 1/32's.
+left the slow device waiting 14% to 17% of a step at 352; 336 is on 1/32's.  Settled, the search may take
+one size off the grid, the compute speeds' balance between two of its sizes (``off_grid``: one more trace).
 TensorFlow may not be configured (visible GPUs, threads) after its first
 computation, so the GPUs are counted and named by the NVIDIA driver, without
 importing TensorFlow.
@@ -42,7 +43,7 @@ def _pool(size: int) -> dict[str, str]:
     return {"TF_MKL_ALLOC_MAX_BYTES": str(int(size * POOL))}
 
 
-FACTS = Facts("tensorflow", grid=32, scan=False, elastic=True, shard_optimizer=True, sums_on_host=True, join_first=True,
-              gpu_count=driver_gpu_count,
+FACTS = Facts("tensorflow", grid=32, scan=False, off_grid=True, elastic=True, shard_optimizer=True, sums_on_host=True,
+              join_first=True, gpu_count=driver_gpu_count,
               gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions,
               cpu_memory_environment=_pool)
