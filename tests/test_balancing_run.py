@@ -72,8 +72,8 @@ def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner,
     assert done[1].stdout.count(said) == 2, done[1].stdout[-3000:]
     if remeasure:  # aside in epochs 2, 4 and 5 of the first fit, back for epoch 3 and after epoch 5
         for line in (f"CPU:{aside} set aside from epoch 4: MULTIGPU_PARK={park}",
-                     f"CPU:{aside} back after epoch 2 to be measured again: aside 1 epochs",
-                     f"CPU:{aside} back after epoch 5 to be measured again: aside 2 epochs"):
+                     f"CPU:{aside} back after epoch 2 to be measured again: aside 1 epoch,",
+                     f"CPU:{aside} back after epoch 5 to be measured again: aside 2 epochs,"):
             assert line in done[1].stdout, (line, done[1].stdout[-3000:])
     epochs = 7 if remeasure else 5
     one, two = np.load(f"{runner.tmp_path / 'one.json'}.rank0.npz"), np.load(f"{out}.rank0.npz")

@@ -244,9 +244,10 @@ class Parking:
         ``again``: to be measured again, :meth:`remeasure_due`); returns the shares from then on."""
         if again:
             names = ", ".join(self.devices[r].label for r in self.parked)
-            self._log(f"{names} back after epoch {epoch + 1} to be measured again: aside {self._aside_epochs} "
-                      f"epochs, alone ran {self.alone:.0f} samples/s where the {len(self.devices)} devices ran "
-                      f"{self.together:.0f} together before; judged at this epoch's end")
+            epochs = f"{self._aside_epochs} epoch" + ("s" if self._aside_epochs != 1 else "")
+            self._log(f"{names} back after epoch {epoch + 1} to be measured again: aside {epochs}, alone ran "
+                      f"{self.alone:.0f} samples/s where the {len(self.devices)} devices ran {self.together:.0f} "
+                      "together before; judged at this epoch's end")
             # The next epoch is judged as the first ones were, on a figure of the devices together taken anew.
             self.tried, self.together, self.period = False, 0.0, 2 * self.period
             if self.judgment is not None:

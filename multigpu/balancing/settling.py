@@ -10,9 +10,9 @@ the noise of the kept shares', unless a move on the way measured clearly
 worse (:meth:`Settling._tie`).  The speeds compare the devices within the
 same steps, so a drift of the whole machine does not move them, while every
 throughput comparison is between windows taken at different times.  Where
-local batch sizes sit on a grid (TensorFlow, JAX: a new size traces or
-compiles) and the speeds' balance lies between two of its sizes, neither of
-which is in balance, the search settles at that balance off the grid: one
+local batch sizes sit on a grid and a new size costs little (TensorFlow: a
+trace; not JAX, where it compiles for seconds) and the speeds' balance lies
+between two of its sizes, the search settles at that balance off the grid: one
 more size, never probed, whose gain is below what a window can tell
 (:meth:`Settling._off_grid`).  Once settled, the throughput is watched
 (:mod:`multigpu.balancing.watch`), and a fall that lasts starts the search
@@ -148,7 +148,8 @@ class Settling:
         return tuple(proposal), imbalance
 
     def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
-        fine = self._off_grid() if self._tie() is None else None
+        tie = self._tie()
+        fine = self._off_grid() if tie is None else None
         if fine is not None:
             old, (shares, imbalance) = self.base, fine
             self.quantum = 1  # one size off the grid; a search started again returns to it (:meth:`_watch`)
@@ -162,7 +163,6 @@ class Settling:
             why += (f"; the compute speeds call for {rows} rows, between two sizes of the grid (a step "
                     f"{1 - 1 / imbalance:.1%} shorter than at {before}): settled there")
             return [Event("settle", tuple(old), tuple(shares), 0.0, 0.0, why)]
-        tie = self._tie()
         if tie is not None:
             old = self.base
             self.base, self.ratios = tie, tie
