@@ -90,6 +90,10 @@ class Group(Protocol):
     def share(self, obj: Any, src: int, what: str) -> Any:
         """Rank ``src``'s ``obj`` (any picklable value) on every rank."""
 
+    def publish(self, obj: Any, src: int, what: str) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, where the engine allows without ``src`` waiting for the others
+        (JAX: the coordination service's store; else :meth:`share`)."""
+
 
 @runtime_checkable
 class ElasticGroup(Group, Protocol):

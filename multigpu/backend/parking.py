@@ -30,6 +30,8 @@ moves, at epoch boundaries, where every rank runs the same hooks
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["SetAside", "allowed"]
 
 
@@ -56,6 +58,8 @@ class SetAside:
         # Steps taken with the leader set aside (every rank counts them), and the count when the rank left last
         # sent its weights, and its whole state, to every rank.
         self.taken = self._weights_at = self._state_at = 0
+        self._together = False  # a step of this epoch was taken by every rank (planned before the move)
+        self._shared_at = -1  # ``taken`` when the rank left last shared its epoch (:meth:`epoch_results`)
 
     @property
     def comm(self):
@@ -80,6 +84,7 @@ class SetAside:
         logs."""
         parked = self.judgment.parked
         if not parked or any(plan.sizes[r] for r in parked):  # (a batch planned before the move: together)
+            self._together = bool(parked)
             self.logs = attempt(data, plan)
             return self.logs
         self.comm.alone = True  # (one rank left: epoch_begins sets aside no fewer)
@@ -94,6 +99,7 @@ class SetAside:
     # ------------------------------------------------------------- epoch boundaries (every rank)
     def epoch_begins(self, epoch: int) -> None:
         """Sets aside the ranks the judgment named, if any."""
+        self._together = False
         judgment = self.judgment
         if not judgment.due:
             return
@@ -108,11 +114,30 @@ class SetAside:
         self.steps.forget_results()
         self.steps.sum_over_all(False)
 
+    def epoch_results(self, local) -> dict | None:
+        """The epoch's global results while devices are set aside (a backend's ``get_metrics_result``, every
+        rank): the rank left's own, ``local()`` there (the others took no step: their metric states are
+        zeros), sent with what :meth:`epoch_ending` shares, in one message that the rank left does not wait
+        on (``comm.publish``); None where the others' states count (no device aside, or a step taken by every
+        rank this epoch): the backend sums them."""
+        kept = self.judgment.kept
+        if not self.judgment.parked or self._together:
+            return None
+        tally = self.balancer.tally
+        mine = None
+        if self.comm.rank == kept:
+            mine = ({k: np.asarray(v) if np.ndim(v) else float(v) for k, v in local().items()}, tally.totals,
+                    self.judgment.measured)
+        results, tally.totals, self.judgment.measured = self.comm.publish(mine, kept, "judging the devices set aside")
+        self._shared_at = self.taken
+        return results
+
     def epoch_ending(self) -> None:
         """The rank left's epoch on every rank (before the epoch's report): its step records' totals and its
         time alone, which the ranks set aside did not see, so that the report and the trial's verdict are the
-        same everywhere."""
-        if not self.judgment.parked:
+        same everywhere (sent already with the epoch's results where no step came since:
+        :meth:`epoch_results`)."""
+        if not self.judgment.parked or self._shared_at == self.taken:
             return
         kept, tally = self.judgment.kept, self.balancer.tally
         mine = (tally.totals, self.judgment.measured) if self.comm.rank == kept else None

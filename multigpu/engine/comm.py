@@ -196,6 +196,10 @@ class Comm:
             dist.broadcast_object_list(box, src=self.members.index(src))
         return box[0]
 
+    def publish(self, obj, src: int, what: str):
+        """Rank ``src``'s ``obj`` on every rank of the group (:meth:`share`: here a collective as well)."""
+        return self.share(obj, src, what)
+
     @property
     def _group_backend(self) -> str:
         """The backend of the run's first group (:func:`~multigpu.engine.group.process_group_backend`), for

@@ -40,5 +40,12 @@ if "host_vectors" in promised:
 if "elastic" in promised:
     seen["members"], seen["generation"] = list(comm.members), comm.generation
     seen["share"] = comm.share({"from": rank}, 1, "sharing an object")
+seen["shared"] = comm.share({"from": rank}, 1, "sharing an object")
+seen["published"] = [comm.publish({"from": rank, "n": n}, n % 2, "publishing an object") for n in range(3)]
+if comm.__module__.startswith("multigpu.backend.jax"):  # each rank took its key from the store and deleted it
+    from multigpu.backend.jax.group import coordination_client
+
+    comm.gather_objects(None)  # (every rank is past its reads)
+    seen["store_left"] = [k for k, _ in coordination_client().key_value_dir_get_bytes("multigpu/published/")]
 with open(f"{sys.argv[1]}.{rank}.json", "w") as f:
     json.dump(seen, f)

@@ -98,6 +98,8 @@ class Evaluation:
         if isinstance(jnp.zeros(()), jax.core.Tracer):
             return self.keras_metrics_result()
         if self._fresh is None:
+            self._fresh = self.driver.aside.epoch_results(self.keras_metrics_result)  # (devices set aside)
+        if self._fresh is None:
             refs = list(self.model.metrics_variables)
             summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat([v.value for v in refs])]),
                                       "summing metrics")

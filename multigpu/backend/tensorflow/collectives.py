@@ -98,6 +98,9 @@ class Comm:
     def share(self, obj, src: int, what: str):
         return self.engine.share(obj, src, what)
 
+    def publish(self, obj, src: int, what: str):
+        return self.engine.publish(obj, src, what)
+
     def take_lost(self) -> PeerLostError | None:
         """The loss a sum met inside a TensorFlow function (where TensorFlow wraps the error), once."""
         lost, self._lost = self._lost, None

@@ -85,6 +85,8 @@ class States:
         if tf.inside_function() or self._local_results:
             return self.keras_metrics_result()
         if self._fresh is None:
+            self._fresh = self.driver.aside.epoch_results(self.keras_metrics_result)  # (devices set aside)
+        if self._fresh is None:
             refs = list(self.model.metrics_variables)
             summed = self.comm.reduce(self._states(), "summing metrics")
             self._fresh = metric_results(self.model, tf.constant(summed), refs, 0)  # eagerly: rare

@@ -98,7 +98,7 @@ class Evaluation:
             return {}
         if self.metrics.local or (self.comm.rejoined and not self._initialized):
             return self.keras_metrics_result()  # (Keras's build, on a rank that came back: the others are in a step)
-        return self.metrics.global_results()
+        return self.metrics.global_results(self.driver.aside.epoch_results)
 
     def reset_metrics(self):
         self.metrics.invalidate()

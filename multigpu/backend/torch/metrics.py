@@ -273,10 +273,16 @@ class GlobalMetrics:
         return self._names
 
     # ------------------------------------------------------------ outside steps
-    def global_results(self) -> dict:
-        """Global results now: the last step's if no metric changed since, else one collective."""
+    def global_results(self, aside=None) -> dict:
+        """Global results now: the last step's if no metric changed since, else one collective (``aside``:
+        :meth:`SetAside.epoch_results <multigpu.backend.parking.SetAside.epoch_results>`, the rank left's own
+        while devices are set aside)."""
         if self._fresh is not None:
             return self._fresh
+        if aside is not None:
+            self._fresh = aside(lambda: self.results(self.vector()))
+            if self._fresh is not None:
+                return self._fresh
         state = self.vector()
         buf = self.comm.buffer(state.numel() + 1)
         buf[: state.numel()].copy_(state)
