@@ -6,8 +6,11 @@ moves, at epoch boundaries, where every rank runs the same hooks
 
 * **aside** (an epoch's start): the ranks set aside get no rows; with the
   optimizer state in parts, their parts move to the ranks left (a
-  collective); each rank forgets its last global results, so that the
-  epoch's results are summed over every rank at its end;
+  collective); each rank forgets its last global results: at the epoch's
+  end they are the rank left's own (the others' metric states stay zero),
+  sent with its step records' totals in one message that it does not wait
+  on (:meth:`SetAside.epoch_results`; summed over every rank where a step
+  was taken by every rank this epoch);
 * **a step** (:meth:`SetAside.step`): a rank set aside takes the step's plan
   and returns its last logs (its per-batch logs stand still while it is
   aside; the epoch's are global); a rank left sums over the ranks left only,
@@ -93,7 +96,7 @@ class SetAside:
             self.logs = attempt(data, plan)
         finally:
             self.comm.alone = False
-        self.steps.forget_results()  # the epoch's results are summed over every rank at its end
+        self.steps.forget_results()  # the epoch's results come from the rank left at its end
         return self.logs
 
     # ------------------------------------------------------------- epoch boundaries (every rank)
