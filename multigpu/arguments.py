@@ -107,7 +107,7 @@ def shard_by_default(transport: str, shrinks: bool, facts, streams: bool = True)
     global BatchNorm statistics or sums during the backward pass, which write them after it); not where a lost device
     would take its part along (``min_devices``) or where the new weights' collective doubles the bytes on a
     link it was not measured on (gloo between machines, NCCL, JAX's XLA sums)."""
-    if not facts.shard_optimizer or transport != "shm" or shrinks:
+    if not facts.shard_optimizer or not facts.shard_by_default or transport != "shm" or shrinks:
         return False
     return "gradients" if facts.shard_gradients and streams else "optimizer"
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from multigpu import env, membership
 from multigpu.membership import PeerLostError
 
-__all__ = ["CollectiveMismatchError", "SharedMemory"]
+__all__ = ["CollectiveMismatchError", "DistributedSetup", "SharedMemory"]
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -30,10 +30,31 @@ class CollectiveMismatchError(RuntimeError):
     """The ranks called a collective with different sizes or layouts."""
 
 
+class DistributedSetup:
+    """How the ranks agree on a segment, over torch.distributed's group (the torch and TensorFlow backends; JAX
+    agrees through its own collectives and the coordination service: :mod:`multigpu.backend.jax.collectives`)."""
+
+    def largest(self, nbytes: int) -> int:
+        """The largest ``nbytes`` over the ranks."""
+        need = torch.tensor([nbytes], dtype=torch.int64)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        return int(need.item())
+
+    def name(self) -> int:
+        """A random number the first rank draws, the same on every rank (the segment's name)."""
+        name = torch.tensor([int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
+        dist.broadcast(name, 0)
+        return int(name.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
 class SharedMemory:
     """All-reduce through a shared-memory segment (ranks of one machine, vectors in host memory).
 
-    ``comm`` is the :class:`~multigpu.engine.comm.Comm` it serves (its members, generation and ``min_devices``).
+    ``comm`` is the collectives' object it serves (its members, generation and ``min_devices``), ``setup`` how the
+    ranks agree on a new segment (default: :class:`DistributedSetup`).
 
     Layout: a header of ``arrived``, ``done``, ``nbytes`` and ``tag`` (one
     int64 each per rank), then two sets (alternating by call) of one slot per
@@ -45,8 +66,9 @@ class SharedMemory:
     mapped it: nothing is left in /dev/shm, even after a crash.
     """
 
-    def __init__(self, comm, timeout: float) -> None:
+    def __init__(self, comm, timeout: float, setup=None) -> None:
         self.comm = comm
+        self.setup = setup if setup is not None else DistributedSetup()
         self.rank, self.world = comm.group_rank, len(comm.members)
         self.timeout = timeout
         self.capacity = 0  # bytes per slot
@@ -58,25 +80,21 @@ class SharedMemory:
         return self._pending is not None and buf.data_ptr() == self._pending[1]
 
     def _grow(self, nbytes: int) -> None:
-        need = torch.tensor([nbytes], dtype=torch.int64)
-        dist.all_reduce(need, op=dist.ReduceOp.MAX)
-        capacity = int(need.item() * 1.25) + 4096
+        capacity = int(self.setup.largest(nbytes) * 1.25) + 4096
         capacity -= capacity % 64
         header = 64 * 4 * self.world
         size = header + 2 * (self.world + 1) * capacity
-        name = torch.tensor([int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
-        dist.broadcast(name, 0)
-        path = f"/dev/shm/multigpu-{int(name.item()):x}-{size}"
+        path = f"/dev/shm/multigpu-{self.setup.name():x}-{size}"
         if self.rank == 0:
             with open(path, "wb") as f:
                 f.truncate(size)
-        dist.barrier()
+        self.setup.barrier()
         fd = os.open(path, os.O_RDWR)
         try:
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        dist.barrier()
+        self.setup.barrier()
         if self.rank == 0:
             os.unlink(path)
         # The old segment is not closed: views of it may still be alive; it goes with its last view.

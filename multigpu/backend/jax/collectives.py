@@ -1,18 +1,25 @@
-"""Collectives of a run on JAX: XLA's own, over a mesh of one device per process.  Every error is fatal.
+"""Collectives of a run on JAX: XLA's own, over a mesh of one device per process, and shared memory within a
+machine.  Every error is fatal.
 
-Each process holds one CPU device of the global ``jax.devices()``.  A sum over
+Each process holds one device of the global ``jax.devices()``.  A sum over
 ranks puts every rank's vector in one row of a global array sharded over that
 mesh and runs a compiled ``sum(axis=0)`` whose result is replicated: XLA does
 the all-reduce (gloo on CPU).  Everything else (broadcast, gathering objects,
 checks) is a sum of vectors where the other ranks send zeros.  Measured on
 two processes on two cores of one machine: 4 ms for any vector up to 100,000 floats,
-6.6 ms for 670,000 (torch's gloo: 2 and 4.8 ms).
+6.6 ms for 670,000 (torch's gloo: 2 and 4.8 ms).  Where every rank is a CPU
+device of one x86-64 machine (``transport="auto"`` or ``"shm"``), float32 sums
+(the step's, the initial weights') run through the shared-memory segment the
+torch and TensorFlow backends use (:mod:`multigpu.engine.shm`, about 1.5 ms for
+670,000 floats), the ranks agreeing on it through XLA's collectives and the
+coordination service's barriers; the rest stays XLA's.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import platform
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -30,27 +37,45 @@ class Comm:
 
     Args:
         runtime: the run.
-        transport: only ``"auto"`` or ``"gloo"`` (XLA's gloo collectives) on JAX.
+        transport: ``"auto"`` (shared memory for CPU devices of one x86-64
+            machine, else XLA's gloo), ``"shm"`` or ``"gloo"``.
     """
 
     def __init__(self, runtime, transport: str = "auto") -> None:
-        if transport not in ("auto", "gloo"):
-            raise ValueError("On JAX, gradients are summed by XLA's gloo collectives: `transport` must be 'auto' "
-                             f"or 'gloo'. Received: transport={transport!r}")
+        if transport not in ("auto", "shm", "gloo"):
+            raise ValueError("On JAX, gradients are summed through shared memory (CPU devices of one machine) or by "
+                             "XLA's gloo collectives: `transport` must be 'auto', 'shm' or 'gloo'. "
+                             f"Received: transport={transport!r}")
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self.runtime = runtime
         self.rank = runtime.rank
         self.world_size = runtime.world_size
-        self.transport = "gloo"
         self.device = jax.local_devices()[0]
+        self.transport = self._choose(transport, self.device.platform == "cpu")
+        self._shm = None
+        if self.transport == "shm":
+            from multigpu.engine.shm import SharedMemory
+
+            self._shm = SharedMemory(self, runtime.timeout, _Agreement(self))
         mesh = Mesh(np.array(jax.devices()), ("ranks",))
         self._rows = NamedSharding(mesh, PartitionSpec("ranks"))
         self._sum = jax.jit(lambda a: a.sum(axis=0, dtype=a.dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))
         self._gather = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))  # an all-gather
         self._met = False  # every rank reached the first collective (:meth:`_meet`)
         self._published = 0  # objects :meth:`publish` sent or took (the same count on every rank)
+
+    def _choose(self, transport: str, cpu: bool) -> str:
+        """Shared memory where every rank is a CPU device of one x86-64 machine (XLA's gloo sum of 670,000
+        floats took 6.6 ms between two cores, the segment's about 1.5 ms: ``benchmarks/jax/``), else XLA's."""
+        usable = (cpu and platform.machine().lower() in ("x86_64", "amd64") and self.runtime.same_host
+                  and os.path.isdir("/dev/shm"))
+        if transport == "shm" and not usable:
+            raise ValueError("transport='shm' needs CPU devices on one x86-64 machine with /dev/shm. Received "
+                             f"devices {[d.spec for d in self.runtime.devices]} on {platform.machine()}; use "
+                             "transport='gloo'.")
+        return ("shm" if usable else "gloo") if transport == "auto" else transport
 
     def _meet(self) -> None:
         """Before this process's first collective, every rank meets at the coordination service's barrier, for
@@ -69,12 +94,19 @@ class Comm:
     leader = 0
     joining = False
     rejoined = False
+    generation = 0
+    min_devices = None  # (no run on JAX goes on without a lost device)
     alone = False  # the step's sums over this rank only: the others set aside (multigpu.backend.parking)
 
     @property
     def members(self) -> list[int]:
         """Every rank (the group never shrinks)."""
         return list(range(self.world_size))
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's place in the group (its rank: the group never shrinks)."""
+        return self.rank
 
     def on_regroup(self, listener) -> None:
         """Takes a listener for new groups of survivors, which this backend never forms."""
@@ -98,6 +130,13 @@ class Comm:
         if self.alone:
             return np.array(vector)
         with self.fatal(what):
+            if self._shm is not None and vector.dtype == np.float32 and len(vector.shape) == 1:
+                import torch
+
+                host = np.asarray(vector)
+                buf = self._shm.buffer(host.size, torch.float32)
+                buf.numpy()[:] = host
+                return self._shm.reduce(buf, host.size % 2039 + 1, None).numpy().copy()  # (the segment is reused)
             self._meet()
             local = jax.device_put(vector, self.device).reshape(1, -1)
             rows = jax.make_array_from_single_device_arrays((self.world_size, local.shape[1]), self._rows,
@@ -206,3 +245,26 @@ class Comm:
         """A random number rank 0 draws, the same on every rank."""
         seed = np.asarray([int.from_bytes(os.urandom(4), "little") >> 1], dtype=np.int32)
         return int(self.broadcast([seed], what="sharing a seed")[0][0])
+
+
+class _Agreement:
+    """How the ranks agree on a new shared-memory segment (:class:`multigpu.engine.shm.SharedMemory`'s ``setup``):
+    through this run's XLA collectives and the coordination service's barriers."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.barriers = 0
+
+    def largest(self, nbytes: int) -> int:
+        return max(self.comm.gather_objects(int(nbytes), "preparing shared memory"))
+
+    def name(self) -> int:
+        mine = int.from_bytes(os.urandom(6), "little") if self.comm.rank == 0 else None
+        return int(self.comm.share(mine, 0, "preparing shared memory"))
+
+    def barrier(self) -> None:
+        from multigpu.backend.jax.group import coordination_client
+
+        self.barriers += 1
+        coordination_client().wait_at_barrier(f"multigpu/shm/{self.barriers}",
+                                              int(max(1, self.comm.runtime.timeout) * 1000))
