@@ -78,7 +78,7 @@ GPU_PYTHON ?= python3
 gpu-check:
 	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py
 
-# Slow outside checks kept out of `make test`'s 12 minutes (10 min 52 s to 11 min 54 s in the last four fresh
+# Slow outside checks kept out of `make test`'s 12 minutes (10 min 52 s to 11 min 54 s in the last five fresh
 # 2-core clones): keras-hub's
 # tasks on JAX, the CLI's bench with its DDP baselines and its sweep, and the second backend, ratio or mode of a
 # few paths (tests/conftest.py's OUTSIDE says which and why).
