@@ -2,16 +2,16 @@
 
     KERAS_BACKEND=torch OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fresh_auto.py     # ~15 min
     ... benchmarks/bench_fresh_auto.py --auto-runs 1 --fixed 2,1                               # a quick look
-    ... benchmarks/bench_fresh_auto.py --rounds 3 --models convnet,wide,mlp,gru               # four shapes, ~30 min
+    ... benchmarks/bench_fresh_auto.py --rounds 3 --models convnet,wide,mlp,gru               # four shapes, ~60 min
 
 The outside convnet (``benchmarks/outside_model.py``: 32x32x3, four conv layers), global batch 128 (with
 ``--models``, also a wider convnet on 16x16x3, an MLP at batch 512 and a GRU classifier at batch 256, from the
-same file),
-SGD, on ``cpu:0`` + ``cpu:1@0.5`` (needs root for the cgroup quota), 6 epochs of 16 steps, every run
-a plain ``python script.py`` in fresh processes (``benchmarks/_fresh_auto.py``).  ``ratios="auto"``
-starts from a fresh profile: calibration at the first step, then the online search, all inside the
-96 steps.  Each configuration's figure is the samples/s of its last epoch, end to end, with the step
-times of that epoch printed beside it, so that a stall shows instead of being averaged away.
+same file), SGD, on ``cpu:0`` + ``cpu:1@0.5`` (needs root for the cgroup quota), 6 epochs of 16 steps (the MLP
+64, the GRU 48: epochs of 4 to 8 s each), every run a plain ``python script.py`` in fresh processes
+(``benchmarks/_fresh_auto.py``).  ``ratios="auto"`` starts from a fresh profile: calibration at the first
+step, then the online search, all inside the fit.  Each configuration's figure is the samples/s of its last
+epoch, end to end, with the step times of that epoch printed beside it, so that a stall shows instead of being
+averaged away.
 
 Prints, for every auto run: auto over the best fixed ratio of the grid and over equal shares, and
 the largest step of the last epoch over its median.  Results: ``benchmarks/balance/fresh-auto.json``.
@@ -57,7 +57,7 @@ def run(ratios: str, epochs: int, steps: int, batch: int, model: str = "convnet"
     return result
 
 
-def measure(model: str, batch: int, a, log) -> dict:
+def measure(model: str, batch: int, steps: int, a, log) -> dict:
     """Every configuration of one model, interleaved; its runs and summary (also written to its own file)."""
     order = ["equal", *a.fixed]
     runs: dict[str, list[dict]] = {}
@@ -72,7 +72,7 @@ def measure(model: str, batch: int, a, log) -> dict:
             if i < len(order):
                 schedule.append(order[i])
     for config in schedule:
-        r = run(config, a.epochs, a.steps, batch, model)
+        r = run(config, a.epochs, steps, batch, model)
         runs.setdefault(config, []).append(r)
         series = " ".join(f"{s:.2f}" for s in r["steps"][-1])
         log(f"{model} {config:>6}: {r['samples_per_second']:6.1f} samples/s over the last epoch, shares "
@@ -103,9 +103,9 @@ def measure(model: str, batch: int, a, log) -> dict:
         summary.append({"run": i + 1, "auto": s, "over_best": s / fixed[best] if best else None,
                         "over_equal": s / equal, "max_over_median": r["max_over_median"]})
     widest_fixed = max(spreads[c] for c in a.fixed)
-    result = {"model": model, "batch": batch, "fixed": fixed, "best": best, "equal": equal, "auto": auto,
-              "over_best": auto / fixed[best], "auto_spread": spreads["auto"], "fixed_spread": widest_fixed,
-              "summary": summary, "runs": runs}
+    result = {"model": model, "batch": batch, "steps": steps, "fixed": fixed, "best": best, "equal": equal,
+              "auto": auto, "over_best": auto / fixed[best], "auto_spread": spreads["auto"],
+              "fixed_spread": widest_fixed, "summary": summary, "runs": runs}
     out = Path(a.out) if len(a.models) == 1 else Path(a.out).with_name(f"{Path(a.out).stem}-{model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": sys.argv, **result}, indent=1))
@@ -113,7 +113,7 @@ def measure(model: str, batch: int, a, log) -> dict:
 
 
 def main() -> int:
-    from outside_model import BATCHES, BUILDERS
+    from outside_model import BATCHES, BUILDERS, STEPS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--auto-runs", type=int, default=3)
@@ -121,7 +121,8 @@ def main() -> int:
                    help="run every configuration this many times, interleaved, and compare medians (issue 54: 3)")
     p.add_argument("--fixed", nargs="*", default=["2,1", "2.5,1", "3,1"], help="fixed ratios of the grid")
     p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--steps", type=int, default=16, help="steps per epoch")
+    p.add_argument("--steps", type=int, default=None, help="steps per epoch (default: the model's, "
+                   + ", ".join(f"{m} {n}" for m, n in STEPS.items()) + ")")
     p.add_argument("--models", default="convnet", help=f"comma-separated, of {', '.join(BUILDERS)}")
     p.add_argument("--batch", type=int, default=None, help="the global batch (default: the model's, "
                    + ", ".join(f"{m} {b}" for m, b in BATCHES.items()) + ")")
@@ -138,13 +139,14 @@ def main() -> int:
         print(f"[{time.monotonic() - start:5.0f} s] {message}", flush=True)
 
     log("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    results = [measure(m, a.batch or BATCHES[m], a, log) for m in a.models]
-    print("\n| model | batch | automatic (median) | best fixed (median) | automatic / best | spread: automatic, "
-          "widest fixed |")
+    results = [measure(m, a.batch or BATCHES[m], a.steps or STEPS[m], a, log) for m in a.models]
+    print("\n| model | batch, steps an epoch | automatic (median) | best fixed (median) | automatic / best "
+          "| spread: automatic, widest fixed |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['model']} | {r['batch']} | {r['auto']:.1f} | {r['best']}: {r['fixed'][r['best']]:.1f} | "
-              f"**{r['over_best']:.3f}x** | {r['auto_spread']:.0%}, {r['fixed_spread']:.0%} |")
+        print(f"| {r['model']} | {r['batch']}, {r['steps']} | {r['auto']:.1f} | {r['best']}: "
+              f"{r['fixed'][r['best']]:.1f} | **{r['over_best']:.3f}x** | {r['auto_spread']:.0%}, "
+              f"{r['fixed_spread']:.0%} |")
     print(f"\n{(time.monotonic() - start) / 60:.1f} min")
     return 0
 

@@ -63,4 +63,8 @@ def build_gru() -> keras.Model:
 
 BUILDERS = {"convnet": build, "wide": build_wide, "mlp": build_mlp, "gru": build_gru}
 INPUTS = {"convnet": (32, 32, 3), "wide": (16, 16, 3), "mlp": (784,), "gru": (32, 16)}
-BATCHES = {"convnet": 128, "wide": 128, "mlp": 512, "gru": 256}  # global batches of about 0.1 to 0.3 s a step
+BATCHES = {"convnet": 128, "wide": 128, "mlp": 512, "gru": 256}  # global batches of about 0.05 to 0.5 s a step
+# Steps an epoch in ``bench_fresh_auto.py``: epochs of about 4 to 8 s on ``cpu:0`` + ``cpu:1@0.5``. At 16 steps the
+# MLP's and the GRU's epochs last about 1 s, which holds no window of the share search (at least 1.5 s) and which the
+# machine's noise swamps (their fixed ratios spread 15% to 33% between runs).
+STEPS = {"convnet": 16, "wide": 16, "mlp": 64, "gru": 48}

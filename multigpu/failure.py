@@ -19,7 +19,7 @@ from multigpu import env
 from multigpu.log import logger as log
 
 __all__ = ["fail", "failed", "identify", "note_failure", "note_thread_failure", "read_failure", "read_note",
-           "write_failure", "write_note"]
+           "timeout_hint", "write_failure", "write_note"]
 
 _FAILED = False
 _WHO: tuple[int, str] | None = None  # (rank, device label) once the run has started
@@ -106,3 +106,14 @@ def write_failure(rank: int, reason: str) -> None:
 def read_failure(run_dir: str | os.PathLike | None, rank: int) -> str | None:
     """The reason rank ``rank`` gave for failing, or None."""
     return read_note(run_dir, rank, "failure")
+
+
+def timeout_hint(seconds: float) -> str:
+    """What follows a collective's timeout: its commonest cause, the fix, and how to wait longer."""
+    return ("\nCommonest cause: a call every rank must make was made on some ranks only, e.g. under "
+            "`if multigpu.rank() == 0:` (Keras's `model.save`, `save_weights`, `evaluate`, `predict`, or a "
+            "`ModelCheckpoint` callback given to one rank's fit; with shard='weights' any call of the model, whose "
+            "layers gather their weights, and `get_weights`), so the other ranks never reach it. Fix: make the "
+            "call on every rank; multigpu writes files from rank 0 only. If a rank is only slow (loading data, a "
+            f"long first step), give it longer than {seconds:g} s: `multigpu.parallelize(model, timeout=SECONDS)` "
+            "or `multigpu run --timeout SECONDS`.")

@@ -104,3 +104,28 @@ def test_every_comm_does_the_same_on_a_real_run(runner, backend):
     x86 = platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
     assert seen[0]["transport"] == seen[1]["transport"] == ("shm" if x86 else "gloo")
     assert runner.leftovers() == []
+
+
+@pytest.mark.parametrize(("backend", "transport"), [("torch", "shm"), ("torch", "gloo"), ("jax", "shm")])
+def test_sums_over_part_of_the_ranks_then_over_every_rank(runner, backend, transport):
+    """The step's sums of the devices left while others are set aside (``among``): over those ranks only, as often
+    as they step, and over every rank again after ``end_subgroup`` (shared memory: the ranks' call counts differ
+    until then; the process group's: a subgroup of its own).  TensorFlow's ``Comm`` is the engine's (torch's)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    if transport == "shm" and not x86:
+        pytest.skip("shared memory needs CPU devices of one x86-64 machine")
+    if backend != "torch":
+        pytest.importorskip(backend, reason=f"needs {backend} (make test installs it)")
+    res = runner.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:0,cpu:1,cpu:2",
+                      str(SCRIPTS / "subgroups.py"), str(runner.tmp_path / "seen"), transport], timeout=200,
+                     extra_env={"KERAS_BACKEND": backend})
+    assert res.returncode == 0, res.stdout[-3000:]
+    seen = [json.loads((runner.tmp_path / f"seen.{r}.json").read_text()) for r in range(3)]
+    every = [6.0, 300.0]
+    for r, got in enumerate(seen):
+        assert got["transport"] == transport and got["sums_among"] and got["formed"], got
+        first, second = got["rounds"]
+        assert first["among"] == ([[3.0, 30.0 + 2 * i] for i in range(3)] if r in (0, 1) else []), got
+        assert second["among"] == ([[5.0, 50.0 + 2 * i] for i in range(2)] if r in (1, 2) else []), got
+        assert first["every"] == second["every"] == every and got["first"] == [6.0, 0.0], got
+    assert runner.leftovers() == []

@@ -59,7 +59,7 @@ class _Steps:
                                         welcome_due=False, after_loss=self._after_loss)
         self.memory = SimpleNamespace(bounded=True, cut_again=self._cut_again)
         self.timing = SimpleNamespace(size=4)
-        self.comm = SimpleNamespace(world_size=2, rank=0, alone=False)
+        self.comm = SimpleNamespace(world_size=2, rank=0, alone=False, among=None)
 
     def lost_peer(self, exc):
         return exc if isinstance(exc, PeerLostError) else None
@@ -107,7 +107,7 @@ class _Rank:
 
     def __init__(self, rank: int):
         self.timing = StepTiming(rank, 2)
-        self.comm = SimpleNamespace(world_size=2, rank=rank, members=[0, 1], alone=False)
+        self.comm = SimpleNamespace(world_size=2, rank=rank, members=[0, 1], alone=False, among=None)
         self.said = []
         self.memory = SimpleNamespace(begin=lambda rows: self.said.append(("begin", rows)),
                                       end=lambda rows: 96 if rows == 64 else 0,

@@ -168,8 +168,67 @@ def test_the_testing_aid_forces_the_move_or_none(monkeypatch):
     monkeypatch.setenv("MULTIGPU_PARK", "off")
     slow = epoch([600, 40], [0.1, 0.1], [0.4, 0.4])
     assert judged(slow, slow).due == []
-    for wrong in ("force:2", "force:x", "forse"):  # a rank this run does not have, a misspelling: said at once
+    # a rank this run does not have, a misspelling, every rank kept, a rank twice: said at once
+    for wrong in ("force:2", "force:x", "forse", "force:0,1", "force:1,1", "force:"):
         monkeypatch.setenv("MULTIGPU_PARK", wrong)
-        with pytest.raises(ValueError, match=rf"must be 'force', 'force:R' with R a rank of this run \(0 to 1\) "
-                                             rf"or 'off'. Received: MULTIGPU_PARK='{wrong}'"):
+        with pytest.raises(ValueError, match=rf"must be 'force', 'force:R' or 'force:R,S,...' with R, S, ... distinct "
+                                             rf"ranks of this run \(0 to 1\), not all of them, or 'off'. Received: "
+                                             rf"MULTIGPU_PARK='{wrong}'"):
             Parking(DEVICES, print)
+
+
+THREE = [SimpleNamespace(label="CPU:0"), SimpleNamespace(label="CPU:1"), SimpleNamespace(label="CPU:2@0.1")]
+# 10 steps of 30 + 30 + 4 rows: CPU:0 and CPU:1 calibrated at 6,000 samples/s, CPU:2@0.1 at 600; each computed 0.1 s
+# (5 ms a step of fixed work on the fast ones), the sums took 5 ms a step, the steps 40 ms (the slow one's waits)
+SLOW_THIRD = {"samples": [300, 300, 40], "compute": [0.1, 0.1, 0.1], "wall": [0.4, 0.4, 0.4], "steps": 10,
+              "sum": 0.05}
+SOLO = [6000.0, 6000.0, 600.0]
+
+
+def judged_three(e, groups=True) -> Parking:
+    lines = []
+    p = Parking(THREE, lines.append)
+    p.allowed, p.groups = True, groups
+    p.begin_fit()
+    for _ in range(EPOCHS):
+        p.judge(e, 0, SOLO)
+    p.lines = lines
+    return p
+
+
+def test_the_devices_that_pay_stay_together_and_the_one_that_does_not_is_set_aside():
+    # CPU:0 and CPU:1 without CPU:2: each its fixed work (5 ms) and rows at 6,000/s, finishing together at T with
+    # (T - 5 ms) * 12,000 = 64 rows, and the sum's 5 ms: 64 / (T + 5 ms)
+    finish = (64 + 2 * 0.005 * 6000) / 12000
+    pair = 64 / (finish + 0.005)
+    assert Parking.group_estimate(SLOW_THIRD, [0, 1], SOLO) == pytest.approx(pair)
+    assert Parking.best_group(SLOW_THIRD, SOLO) == ([0, 1], pytest.approx(pair))
+    alone = Parking.alone_estimate(SLOW_THIRD, 0, SOLO)
+    assert alone == pytest.approx(64 / (0.005 + 64 / 6000)) and alone < pair  # one fast device alone: less
+    p = judged_three(SLOW_THIRD)
+    assert p.due == [2] and p.left == [0, 1] and p.kept == 0
+    assert p.judgment["devices"] == ["CPU:0", "CPU:1"] and p.judgment["set_aside"] == ["CPU:2@0.1"]
+    assert p.judgment["alone"] == pytest.approx(pair, abs=0.1) and not p.judgment["pays"]
+    assert p.park([1.0, 1.0, 0.1], epoch=2) == [1.0, 1.0, 0.0]
+    assert p.lines[-1] == (f"CPU:2@0.1 set aside from epoch 3: CPU:0, CPU:1 without them would compute {pair:.0f} "
+                           "samples/s where the 3 devices ran 1600 together (the sums and waits cost more than they "
+                           "add); back at the next fit(), or at this epoch's end if the devices left run slower")
+    p.observe(StepRecord(samples=[32, 32, 0], wall=[0.02, 0.02, 0.0], step=[0.02, 0.02, 0.0],
+                         compute=[0.015, 0.015, 0.0]))
+    assert p.keeps_aside()  # 3,200 samples/s, more than 1,600 together
+    assert p.back(3) == [1.0, 1.0, 0.1] and p.left == [] and p.kept is None
+    assert "CPU:2@0.1 back after epoch 4: the devices left ran 3200 samples/s" in p.lines[-1]
+    # where the steps cannot sum over part of the ranks (JAX's XLA sums): one device alone, as with two
+    p = judged_three(SLOW_THIRD, groups=False)
+    assert p.due == [1, 2] and p.left == [0]
+    # all three pay: the slow one's waits gone, the three together run 8,000 samples/s (one alone: 6,000 at most)
+    quick = dict(SLOW_THIRD, wall=[0.08, 0.08, 0.08])
+    assert judged_three(quick).due == []
+
+
+def test_the_testing_aid_keeps_several_devices(monkeypatch):
+    monkeypatch.setenv("MULTIGPU_PARK", "force:1,0")
+    p = judged_three(SLOW_THIRD, groups=True)
+    assert p.due == [2] and p.left == [0, 1] and p.kept == 0
+    p.park([1.0, 1.0, 1.0], epoch=1)
+    assert "CPU:2@0.1 set aside from epoch 2: MULTIGPU_PARK=force:1,0;" in p.lines[-1]

@@ -45,6 +45,9 @@ class Group(Protocol):
         runtime: the run (:class:`multigpu.runtime.runtime.Runtime`).
         alone: whether this rank's step sums are over itself only (the other ranks set aside,
             :mod:`multigpu.backend.parking`): they are then no collective.
+        among: the ranks this rank's step sums are over while the others are set aside and more than one
+            rank is left (None: every rank), readied by :meth:`form_subgroup`.
+        sums_among: whether the step's sums can run over part of the ranks (JAX's XLA sums cannot).
     """
 
     rank: int
@@ -52,6 +55,8 @@ class Group(Protocol):
     transport: str
     runtime: Any
     alone: bool
+    among: list[int] | None
+    sums_among: bool
 
     @property
     def leader(self) -> int:
@@ -70,6 +75,12 @@ class Group(Protocol):
 
     def on_regroup(self, listener: Callable[[list[int]], None]) -> None:
         """Calls ``listener(members)`` after each new group of survivors (never, where the group cannot shrink)."""
+
+    def form_subgroup(self, ranks: list[int]) -> bool:
+        """Every rank: readies the step's sums over ``ranks`` only (:attr:`among`); False where they cannot."""
+
+    def end_subgroup(self) -> None:
+        """Every rank, after sums over part of the ranks: before its next collective over every rank."""
 
     def sum_floats(self, values: Sequence[float], what: str = "a collective") -> list[float]:
         """The sum over ranks of a short list of floats (float64 on the engine, float32 on JAX)."""

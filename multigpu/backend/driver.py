@@ -170,6 +170,8 @@ class StepDriver:
         members = steps.comm.members if steps.recovery.elastic else None  # (an elastic group's ranks left)
         if steps.comm.alone:
             members = [steps.comm.rank]  # (the others set aside: this rank's sum was its own)
+        elif steps.comm.among is not None:
+            members = list(steps.comm.among)  # (the others set aside: the sum was over the ranks left)
         rec = StepRecord.from_vector(said.timing, steps.comm.world_size, complete=True, members=members)
         if adopt is None:
             steps.balancer.record(rec)

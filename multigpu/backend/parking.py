@@ -63,6 +63,7 @@ class SetAside:
         self.taken = self._weights_at = self._state_at = 0
         self._together = False  # a step of this epoch was taken by every rank (planned before the move)
         self._shared_at = -1  # ``taken`` when the rank left last shared its epoch (:meth:`epoch_results`)
+        self._met_at = 0  # ``taken`` when every rank last met after sums over the ranks left (:meth:`_meet`)
 
     @property
     def comm(self):
@@ -90,14 +91,25 @@ class SetAside:
             self._together = bool(parked)
             self.logs = attempt(data, plan)
             return self.logs
-        self.comm.alone = True  # (one rank left: epoch_begins sets aside no fewer)
+        left = self.judgment.left
+        if len(left) == 1:
+            self.comm.alone = True
+        else:
+            self.comm.among = left
         self.taken += 1
         try:
             self.logs = attempt(data, plan)
         finally:
-            self.comm.alone = False
+            self.comm.alone, self.comm.among = False, None
         self.steps.forget_results()  # the epoch's results come from the rank left at its end
         return self.logs
+
+    def _meet(self) -> None:
+        """Every rank, before a collective over every rank: where the ranks left summed among themselves since the
+        last meeting, every rank meets again (``comm.end_subgroup``)."""
+        if len(self.judgment.left) > 1 and self.taken > self._met_at:
+            self.comm.end_subgroup()
+            self._met_at = self.taken
 
     # ------------------------------------------------------------- epoch boundaries (every rank)
     def epoch_begins(self, epoch: int) -> None:
@@ -106,8 +118,9 @@ class SetAside:
         judgment = self.judgment
         if not judgment.due:
             return
-        if len(self.comm.members) - len(judgment.due) != 1:
-            judgment.due, judgment.kept = [], None  # (more than one rank left: their sums would need a group)
+        left = [r for r in self.comm.members if r not in judgment.due]
+        if len(left) > 1 and not (judgment.groups and self.comm.form_subgroup(left)):
+            judgment.due, judgment.kept, judgment.left = [], None, []  # (their sums cannot leave the others out)
             return
         self.balancer.set_ratios(judgment.park(self.balancer.ratios, epoch))
         shards = self.steps.shards
@@ -126,6 +139,9 @@ class SetAside:
         kept = self.judgment.kept
         if not self.judgment.parked or self._together:
             return None
+        if len(self.judgment.left) > 1:  # the ranks set aside hold zeros: the sum over every rank is the ranks left's
+            self._meet()
+            return None
         tally = self.balancer.tally
         mine = None
         if self.comm.rank == kept:
@@ -142,6 +158,7 @@ class SetAside:
         :meth:`epoch_results`)."""
         if not self.judgment.parked or self._shared_at == self.taken:
             return
+        self._meet()
         kept, tally = self.judgment.kept, self.balancer.tally
         mine = (tally.totals, self.judgment.measured) if self.comm.rank == kept else None
         tally.totals, self.judgment.measured = self.comm.share(mine, kept, "judging the devices set aside")
@@ -154,6 +171,7 @@ class SetAside:
         :meth:`up_to_date`)."""
         if not self.judgment.parked:
             return
+        self._meet()
         kept = self.judgment.kept
         if not self.judgment.keeps_aside():
             self._back(epoch)
@@ -167,6 +185,8 @@ class SetAside:
         """Before a save (every rank): while the leader is set aside, the rank left's whole state (weights and
         optimizer state) on every rank, where it trained since it last sent it."""
         kept = self.judgment.kept
+        if self.judgment.parked:
+            self._meet()
         if self.judgment.parked and kept != self.comm.leader and self.taken > self._state_at:
             with self.steps.whole_optimizers():  # (optimizer state in parts: the rank left holds every part)
                 self.steps._welcome_state(kept)
@@ -178,6 +198,7 @@ class SetAside:
             self._back(None)
 
     def _back(self, epoch: int | None, again: bool = False) -> None:
+        self._meet()
         shards = self.steps.shards
         if shards is not None:
             shards.gather()  # the ranks left hold every part: each rank holds the whole state

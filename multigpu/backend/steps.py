@@ -118,6 +118,7 @@ class StepsCore:
         self._said_parts = False
         self._checked_state = False  # whether fit checked that the devices hold the training state
         self.balancer.parking.allowed = parking.allowed(self)  # devices that do not pay may be set aside
+        self.balancer.parking.groups = self.balancer.parking.allowed and self.comm.sums_among  # (several left)
 
     # ---------------------------------------------------------- the contract
     def methods(self) -> dict:
@@ -344,8 +345,7 @@ class StepsCore:
         raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
     def restore_metrics(self) -> None:
-        """Puts back this rank's metric states as :meth:`snapshot` kept them (a step taken again after a rank
-        ran out of memory)."""
+        """This rank's metric states put back as :meth:`snapshot` kept them (a step taken again after an OOM)."""
         raise NotImplementedError(f"{type(self).__name__} does not take a step again")
 
     def lost_peer(self, exc: BaseException):

@@ -85,17 +85,22 @@ class Parking:
         self.devices = list(devices)
         self._log = log
         self.allowed = False  # automatic shares on steps that can leave ranks out of the sum (set by the steps)
+        self.groups = False  # and sum over part of the ranks: more than one device may be left (set by the steps)
         park = env.get(env.PARK) or ""
-        keeper = park.removeprefix("force:") if park.startswith("force:") else None
-        if park not in ("", "force", "off") and not (keeper and keeper.isdigit() and int(keeper) < len(devices)):
-            raise ValueError(f"{env.PARK} (a testing aid) must be 'force', 'force:R' with R a rank of this run "
-                             f"(0 to {len(devices) - 1}) or 'off'. Received: {env.PARK}={park!r}")
-        self.forced = park == "force" or keeper is not None
-        self.forced_keeper = int(keeper) if keeper is not None else None
+        keepers = park.removeprefix("force:").split(",") if park.startswith("force:") else None
+        if park not in ("", "force", "off") and not (
+                keepers and all(k.isdigit() and int(k) < len(devices) for k in keepers)
+                and len(set(keepers)) == len(keepers) < len(devices)):
+            raise ValueError(f"{env.PARK} (a testing aid) must be 'force', 'force:R' or 'force:R,S,...' with R, S, "
+                             f"... distinct ranks of this run (0 to {len(devices) - 1}), not all of them, or 'off'. "
+                             f"Received: {env.PARK}={park!r}")
+        self.forced = park == "force" or keepers is not None
+        self.forced_keepers = sorted(int(k) for k in keepers) if keepers is not None else None
         self.never = park == "off"
         self.due: list[int] = []  # ranks to set aside at the next epoch's start
         self.parked: list[int] = []  # ranks set aside now
-        self.kept: int | None = None  # the rank left (judged, then while the others are aside)
+        self.kept: int | None = None  # the rank left (of several, the first): judged, then while the others are aside
+        self.left: list[int] = []  # every rank left (judged, then while the others are aside)
         self.kept_ratios: list[float] | None = None  # the shares before, given back with the devices
         self.tried = False  # this fit set devices aside once already
         self.together = 0.0  # the best throughput of the devices together in this fit
@@ -123,19 +128,65 @@ class Parking:
         wall = max(e["wall"])
         self.together = max(self.together, sum(e["samples"]) / wall if wall > 0 else 0.0)
         if self.forced:
-            self.kept = leader if self.forced_keeper is None else self.forced_keeper
-            self.due = [r for r in range(n) if r != self.kept]
+            self._keep([leader] if self.forced_keepers is None else self.forced_keepers, n)
             return
         if self._epochs < EPOCHS:
             return
         keeper = self.keeper(e, leader, solo)
         self.judgment = self.verdict(e, keeper, solo, self.devices, self.together)
         self.judgment["set_aside"] = []
-        if not self.judgment["pays"]:
-            self.kept = keeper
-            self.due = [r for r in range(n) if r != keeper]
-            self.alone_speed = self.judgment["alone"]
-            self.judgment["set_aside"] = [self.devices[r].label for r in self.due]
+        group = self.best_group(e, solo) if self.groups and n > 2 else None
+        if group is not None and group[1] >= MARGIN * self.together and (
+                self.judgment["pays"] or self.judgment["trial"] or group[1] > self.judgment["alone"]):
+            left, estimate = group
+            self.judgment.update(device=self.devices[left[0]].label, alone=round(estimate, 1), pays=False,
+                                 trial=False, ceiling=round(estimate, 1))
+            self.judgment["devices"] = [self.devices[r].label for r in left]
+        elif not self.judgment["pays"]:
+            left = [keeper]
+        else:
+            return
+        self._keep(left, n)
+        self.alone_speed = self.judgment["alone"]
+        self.judgment["set_aside"] = [self.devices[r].label for r in self.due]
+
+    def _keep(self, left: Sequence[int], n: int) -> None:
+        self.left, self.kept = list(left), left[0]
+        self.due = [r for r in range(n) if r not in left]
+
+    @classmethod
+    def best_group(cls, e: dict, solo: Sequence[float] | None) -> tuple[list[int], float] | None:
+        """The ranks of more than one but not every device that would run fastest together at an epoch's
+        totals ``e`` (:meth:`group_estimate`), and their estimate; None if no rank's speed was measured."""
+        n = len(e["samples"])
+        best: tuple[list[int], float] | None = None
+        for mask in range(1, (1 << n) - 1):
+            ranks = [r for r in range(n) if mask >> r & 1]
+            if len(ranks) > 1:
+                estimate = cls.group_estimate(e, ranks, solo)
+                if estimate > 0 and (best is None or estimate > best[1]):
+                    best = (ranks, estimate)
+        return best
+
+    @classmethod
+    def group_estimate(cls, e: dict, ranks: Sequence[int], solo: Sequence[float] | None) -> float:
+        """Samples/s of the devices of ``ranks`` (more than one) on whole batches without the others, from an
+        epoch's totals ``e``: each keeps its fixed work and its speed a row (as in :meth:`alone_estimate`), the
+        rows go where the devices finish together, and the step's sum costs what it cost every device (a sum over
+        fewer ranks costs no more)."""
+        steps = e["steps"]
+        batch = sum(e["samples"]) / steps
+        per_row = {r: cls._per_row(e, r, solo) for r in ranks}
+        if any(v is None for v in per_row.values()):
+            return 0.0
+        fixed = {r: max(0.0, e["compute"][r] - e["samples"][r] * per_row[r]) / steps for r in ranks}
+        active = sorted(ranks, key=lambda r: fixed[r])
+        while True:  # the time T at which the devices with fixed work below T share the batch
+            finish = (batch + sum(fixed[r] / per_row[r] for r in active)) / sum(1.0 / per_row[r] for r in active)
+            if finish >= fixed[active[-1]] or len(active) == 1:
+                break
+            active.pop()
+        return batch / (finish + e["sum"] / steps)
 
     @classmethod
     def keeper(cls, e: dict, leader: int, solo: Sequence[float] | None) -> int:
@@ -204,7 +255,8 @@ class Parking:
         out = [0.0 if r in self.parked else float(v) for r, v in enumerate(ratios)]
         left = [r for r in range(len(out)) if r not in self.parked]
         names = ", ".join(self.devices[r].label for r in self.parked)
-        first = self.devices[left[0]].label
+        first = ", ".join(self.devices[r].label for r in left)
+        alone = "alone computes" if len(left) == 1 else "without them would compute"
         if self.forced:
             why = f"{env.PARK}={env.get(env.PARK)}"
         elif self.judgment is not None and self.judgment.get("trial"):
@@ -212,10 +264,11 @@ class Parking:
                    f"{self.judgment['ceiling']:.0f} samples/s (its fixed work alone unknown) where the {len(out)} "
                    f"devices ran {self.together:.0f} together")
         else:
-            why = (f"{first} alone computes {self.alone_speed:.0f} samples/s where the {len(out)} "
+            why = (f"{first} {alone} {self.alone_speed:.0f} samples/s where the {len(out)} "
                    f"devices ran {self.together:.0f} together (the sums and waits cost more than they add)")
         self._log(f"{names} set aside from epoch {epoch + 1}: {why}; back at the next fit(), or at this epoch's end "
-                  "if alone runs slower")
+                  f"if {'alone' if len(left) == 1 else 'the devices left'} run{'s' if len(left) == 1 else ''} "
+                  "slower")
         return out
 
     def observe(self, rec: StepRecord) -> None:
@@ -248,13 +301,17 @@ class Parking:
         self._aside_epochs += 1
         return self._aside_epochs >= self.period
 
+    @property
+    def _who(self) -> str:
+        return "alone" if len(self.left) == 1 else "the devices left"
+
     def back(self, epoch: int | None, again: bool = False) -> list[float]:
         """Every device in again (every rank; ``epoch``: the trial lost at its end, None: the fit ended;
         ``again``: to be measured again, :meth:`remeasure_due`); returns the shares from then on."""
         if again:
             names = ", ".join(self.devices[r].label for r in self.parked)
             epochs = f"{self._aside_epochs} epoch" + ("s" if self._aside_epochs != 1 else "")
-            self._log(f"{names} back after epoch {epoch + 1} to be measured again: aside {epochs}, alone ran "
+            self._log(f"{names} back after epoch {epoch + 1} to be measured again: aside {epochs}, {self._who} ran "
                       f"{self.alone:.0f} samples/s where the {len(self.devices)} devices ran {self.together:.0f} "
                       "together before; judged at this epoch's end")
             # The next epoch is judged as the first ones were, on a figure of the devices together taken anew.
@@ -263,10 +320,10 @@ class Parking:
                 self.judgment["set_aside"] = []
         elif epoch is not None:
             names = ", ".join(self.devices[r].label for r in self.parked)
-            self._log(f"{names} back after epoch {epoch + 1}: alone ran {self.alone:.0f} samples/s, less than "
+            self._log(f"{names} back after epoch {epoch + 1}: {self._who} ran {self.alone:.0f} samples/s, less than "
                       f"the {self.together:.0f} together")
             if self.judgment is not None:  # measured: together is faster
                 self.judgment.update(set_aside=[], alone_ran=round(self.alone, 1), pays=True)
-        self.parked, self.kept = [], None
+        self.parked, self.kept, self.left = [], None, []
         ratios, self.kept_ratios = self.kept_ratios or [], None
         return ratios

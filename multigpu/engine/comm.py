@@ -36,20 +36,9 @@ from multigpu.engine.shm import DTYPES as _SHM_DTYPES
 from multigpu.engine.shm import CollectiveMismatchError, SharedMemory
 from multigpu.membership import PeerLostError
 
-__all__ = ["BROADCAST_BUCKET", "CollectiveMismatchError", "Comm", "timeout_hint"]
+__all__ = ["BROADCAST_BUCKET", "CollectiveMismatchError", "Comm"]
 
 BROADCAST_BUCKET = 4 << 20  # bytes: a broadcast's flat copies hold at most this (larger tensors go in place)
-
-
-def timeout_hint(seconds: float) -> str:
-    """What follows a collective's timeout: its commonest cause, the fix, and how to wait longer."""
-    return ("\nCommonest cause: a call every rank must make was made on some ranks only, e.g. under "
-            "`if multigpu.rank() == 0:` (Keras's `model.save`, `save_weights`, `evaluate`, `predict`, or a "
-            "`ModelCheckpoint` callback given to one rank's fit; with shard='weights' any call of the model, whose "
-            "layers gather their weights, and `get_weights`), so the other ranks never reach it. Fix: make the "
-            "call on every rank; multigpu writes files from rank 0 only. If a rank is only slow (loading data, a "
-            f"long first step), give it longer than {seconds:g} s: `multigpu.parallelize(model, timeout=SECONDS)` "
-            "or `multigpu run --timeout SECONDS`.")
 
 
 class Comm:
@@ -86,6 +75,9 @@ class Comm:
         # A rank that trains with the other ranks set aside (multigpu.balancing.parking): its step's sums are
         # over itself alone, so they are no collective at all.
         self.alone = False
+        # While more than one rank is left, the step's sums are over those ranks only (None: every rank).
+        self.among: list[int] | None = None
+        self._subgroups: dict[tuple[int, ...], object] = {}  # the process group's own, by ranks (gloo, NCCL)
         self._shm: SharedMemory | None = None
         self.transport = self._choose(transport)
         if self.transport == "shm":
@@ -108,6 +100,26 @@ class Comm:
         return transport
 
     # ------------------------------------------------------------- members
+    sums_among = True  # the step's sums can run over part of the ranks (:meth:`form_subgroup`)
+
+    def form_subgroup(self, ranks: Sequence[int]) -> bool:
+        """Every rank, before the others are set aside: the step's sums over ``ranks`` only (:attr:`among`) once
+        every rank is done with the sums before (shared memory), or in a subgroup of the process group's own."""
+        key = tuple(ranks)
+        with self.fatal("forming the group of the ranks left"):
+            if self._shm is not None:
+                self._shm.begin_part()
+            elif key not in self._subgroups:
+                self._subgroups[key] = dist.new_group(list(key))
+        return True
+
+    def end_subgroup(self) -> None:
+        """Every rank, when the devices set aside come back: the next sums are over every rank again (on shared
+        memory, the ranks' call counts made equal)."""
+        if self._shm is not None:
+            with self.fatal("taking back the ranks set aside"):
+                self._shm.realign()
+
     @property
     def group_rank(self) -> int:
         """This rank's place in the process group (its rank, until a device is lost)."""
@@ -216,8 +228,8 @@ class Comm:
         if "Timed out waiting" in first:  # gloo's timeout: say it the way the shared-memory path does
             first = (f"another rank did not reach the collective within {self.runtime.timeout:g} s "
                      f"(gloo: {first.rsplit('] ', 1)[-1]})")
-            failure.fail(f"{what} failed: TimeoutError: {first}{timeout_hint(self.runtime.timeout)}")
-        hint = timeout_hint(self.runtime.timeout) if isinstance(exc, TimeoutError) else ""
+            failure.fail(f"{what} failed: TimeoutError: {first}{failure.timeout_hint(self.runtime.timeout)}")
+        hint = failure.timeout_hint(self.runtime.timeout) if isinstance(exc, TimeoutError) else ""
         failure.fail(f"{what} failed: {type(exc).__name__}: {first}{hint}")
 
     def _again_after_loss(self, call: Callable[[], object]):
@@ -258,7 +270,7 @@ class Comm:
         """
         if self._shm is not None and dtype in _SHM_DTYPES and not self.alone:
             with self.fatal("preparing shared memory"):
-                return self._shm.buffer(n, dtype, disjoint)
+                return self._shm.buffer(n, dtype, disjoint, part=self.among is not None)
         key = (n, dtype)  # (alone: a private buffer, summed in place as gloo sums it)
         buf = self._buffers.get(key)
         if buf is None:
@@ -288,10 +300,12 @@ class Comm:
             return buf  # the sum over this rank alone
         with self.fatal(what):
             if self._shm is not None and self._shm.owns(buf):
-                out = self._shm.reduce(buf, tag, describe)
+                places = None if self.among is None else [self.members.index(r) for r in self.among]
+                out = self._shm.reduce(buf, tag, describe, places)
             else:
                 membership.at("sum", self.rank)
-                dist.all_reduce(buf)
+                group = None if self.among is None else self._subgroups[tuple(self.among)]
+                dist.all_reduce(buf, group=group)
                 out = buf
             if membership.dropped("sum", self.rank):
                 raise ConnectionError("the sum's result was thrown away (MULTIGPU_FAULT sum/drop)")

@@ -64,6 +64,13 @@ class SharedMemory:
     after the previous one finished everywhere, nobody still reads a set when
     it is written again.  The segment is unlinked as soon as every rank has
     mapped it: nothing is left in /dev/shm, even after a crash.
+
+    A call may be over part of the ranks (``among``: their places, the others
+    set aside, :mod:`multigpu.backend.parking`): they wait for each other
+    only and sum a chunk each, after :meth:`begin_part` (every rank) saw
+    every rank done with the calls before; the ranks' call counts then
+    differ, and :meth:`realign` (every rank) sets them equal before the next
+    call over every rank.
     """
 
     def __init__(self, comm, timeout: float, setup=None) -> None:
@@ -111,18 +118,36 @@ class SharedMemory:
         array = np.frombuffer(self.mm, dtype=np.uint8, count=n * size, offset=offset)
         return torch.from_numpy(array).view(dtype)
 
-    def buffer(self, n: int, dtype: torch.dtype, disjoint: bool = False) -> torch.Tensor:
+    def buffer(self, n: int, dtype: torch.dtype, disjoint: bool = False, part: bool = False) -> torch.Tensor:
+        """A view to fill for the next :meth:`reduce` (``part``: a call over part of the ranks, which cannot
+        agree on a larger segment with the others)."""
         nbytes = n * torch.empty(0, dtype=dtype).element_size()
         if nbytes > self.capacity:
+            if part:
+                raise RuntimeError(f"a sum of {nbytes} bytes over the ranks left does not fit the shared segment "
+                                   f"({self.capacity} bytes a rank), which only every rank together can grow")
             self._grow(nbytes)
         view = self._view((self.seq + 1) % 2, self.world if disjoint else self.rank, n, dtype)
         self._pending = (nbytes, view.data_ptr(), disjoint)
         return view
 
-    def _wait(self, flags: np.ndarray, s: int, phase: str) -> None:
+    def begin_part(self) -> None:
+        """Every rank, before calls over part of the ranks: waits until every rank is done with the results of the
+        calls before (a call over part of the ranks does not wait for the others, and its next-but-one writes the
+        set they read last)."""
+        self.setup.barrier()
+
+    def realign(self) -> None:
+        """Every rank: the call count of the rank that made the most calls (after calls over part of the ranks),
+        so that the next call over every rank starts at the same count everywhere."""
+        self.seq = self.setup.largest(self.seq)
+
+    def _wait(self, flags: np.ndarray, s: int, phase: str, among: list[int] | None = None) -> None:
+        """Until every rank (``among``: those places only) marked ``flags`` with call ``s``."""
+        places = list(range(self.world)) if among is None else among
         spins = 0
         deadline = look = 0.0
-        while int(flags.min()) < s:
+        while int((flags if among is None else flags[among]).min()) < s:
             spins += 1
             if spins < 200:
                 continue
@@ -130,7 +155,7 @@ class SharedMemory:
             if deadline == 0.0:
                 deadline, look = now + self.timeout, now + 0.01
             elif now > deadline:
-                late = [self.comm.members[r] for r in range(self.world) if int(flags[r]) < s]
+                late = [self.comm.members[r] for r in places if int(flags[r]) < s]
                 raise TimeoutError(f"rank(s) {late} did not {phase} within {self.timeout:g} s")
             elif now > look and self.comm.min_devices is not None:
                 look = now + 0.01
@@ -147,38 +172,44 @@ class SharedMemory:
         if any(r not in found.members for r in missing):
             raise PeerLostError(found)
 
-    def reduce(self, buf: torch.Tensor, tag: int, describe: Callable[[], str] | None) -> torch.Tensor:
+    def reduce(self, buf: torch.Tensor, tag: int, describe: Callable[[], str] | None,
+               among: list[int] | None = None) -> torch.Tensor:
+        """The sum of every rank's ``buf`` (``among``: of those places only, this rank's among them)."""
         nbytes, _, disjoint = self._pending  # type: ignore[misc]
         self._pending = None
         self.seq += 1
         s, which = self.seq, self.seq % 2
+        places = list(range(self.world)) if among is None else among
         self.sizes[self.rank] = nbytes
         self.tags[self.rank] = tag
         self.arrived[self.rank] = s
         membership.at("sum", self.comm.rank)
-        self._wait(self.arrived, s, "reach the collective")
-        sizes, tags = [int(v) for v in self.sizes], [int(v) for v in self.tags]
+        self._wait(self.arrived, s, "reach the collective", among)
+        sizes, tags = [int(self.sizes[q]) for q in places], [int(self.tags[q]) for q in places]
         if len(set(sizes)) > 1 or len(set(tags)) > 1:
-            raise CollectiveMismatchError(_mismatch_message(self.rank, sizes, tags, describe))
-        n = buf.numel()
-        lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
+            raise CollectiveMismatchError(_mismatch_message(places.index(self.rank), sizes, tags, describe, places))
+        n, me, count = buf.numel(), places.index(self.rank), len(places)
+        lo, hi = n * me // count, n * (me + 1) // count
         result = self._view(which, self.world, n, buf.dtype)
         if hi > lo and not disjoint:  # disjoint: every rank wrote its part of the result itself
-            parts = [self._view(which, q, n, buf.dtype)[lo:hi] for q in range(self.world)]
-            if len(parts) == 2:
+            parts = [self._view(which, q, n, buf.dtype)[lo:hi] for q in places]
+            if len(parts) == 1:
+                result[lo:hi].copy_(parts[0])
+            elif len(parts) == 2:
                 torch.add(parts[0], parts[1], out=result[lo:hi])
             else:
                 torch.sum(torch.stack(parts), dim=0, out=result[lo:hi])
         self.done[self.rank] = s
-        self._wait(self.done, s, "finish the collective")
+        self._wait(self.done, s, "finish the collective", among)
         return result
 
 
-def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe) -> str:
+def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe, ranks: list[int]) -> str:
+    """``rank``: this rank's place in ``ranks``, the ranks of the call (their sizes and tags in that order)."""
     mine = describe() if describe else f"{sizes[rank]} bytes"
     from multigpu.failure import read_note, write_note
 
-    write_note(rank, "layout", mine)
+    write_note(ranks[rank], "layout", mine)
     others = []
     run_dir = env.get(env.RUN_DIR)
     deadline = time.monotonic() + 2.0
@@ -187,9 +218,9 @@ def _mismatch_message(rank: int, sizes: list[int], tags: list[int], describe) ->
             continue
         text = None
         while run_dir and text is None and time.monotonic() < deadline:
-            text = read_note(run_dir, q, "layout")
+            text = read_note(run_dir, ranks[q], "layout")
             if text is None:
                 time.sleep(0.01)
-        others.append(f"rank {q} summed {text or f'{sizes[q]} bytes'}")
+        others.append(f"rank {ranks[q]} summed {text or f'{sizes[q]} bytes'}")
     return (f"the ranks' collectives did not match: this rank summed {mine}, while " + "; ".join(others)
             + ". Every rank must call the optimizer on the same variables the same number of times per step.")

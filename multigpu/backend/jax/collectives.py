@@ -98,6 +98,27 @@ class Comm:
     generation = 0
     min_devices = None  # (no run on JAX goes on without a lost device)
     alone = False  # the step's sums over this rank only: the others set aside (multigpu.backend.parking)
+    among: list[int] | None = None  # the step's sums over these ranks only (the others set aside; shared memory)
+
+    @property
+    def sums_among(self) -> bool:
+        """Whether the step's sums can run over part of the ranks: through shared memory (XLA's cannot)."""
+        return self._shm is not None
+
+    def form_subgroup(self, ranks) -> bool:
+        """Every rank: the step's sums over ``ranks`` only, through shared memory (once every rank is done with
+        the sums before); False with XLA's sums, which are over every rank."""
+        if self._shm is None:
+            return False
+        with self.fatal("setting devices aside"):
+            self._shm.begin_part()
+        return True
+
+    def end_subgroup(self) -> None:
+        """Every rank, after sums over part of the ranks: the ranks' counts of shared-memory calls made equal."""
+        if self._shm is not None:
+            with self.fatal("taking back the ranks set aside"):
+                self._shm.realign()
 
     @property
     def members(self) -> list[int]:
@@ -131,13 +152,15 @@ class Comm:
         if self.alone:
             return np.array(vector)
         with self.fatal(what):
-            if self._shm is not None and vector.dtype == np.float32 and len(vector.shape) == 1:
+            among = self.among is not None and self._shm is not None  # (over part of the ranks: any float, as float32)
+            if self._shm is not None and (vector.dtype == np.float32 or among) and len(vector.shape) == 1:
                 import torch
 
                 host = np.asarray(vector)
-                buf = self._shm.buffer(host.size, torch.float32)
+                buf = self._shm.buffer(host.size, torch.float32, part=among)
                 buf.numpy()[:] = host
-                return self._shm.reduce(buf, host.size % 2039 + 1, None).numpy().copy()  # (the segment is reused)
+                out = self._shm.reduce(buf, host.size % 2039 + 1, None, self.among if among else None)
+                return out.numpy().astype(host.dtype)  # (a copy: the segment is reused)
             self._meet()
             local = jax.device_put(vector, self.device).reshape(1, -1)
             rows = jax.make_array_from_single_device_arrays((self.world_size, local.shape[1]), self._rows,

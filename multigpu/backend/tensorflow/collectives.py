@@ -72,6 +72,23 @@ class Comm:
         self.engine.alone = value
 
     @property
+    def among(self) -> list[int] | None:
+        """The ranks this rank's step sums are over while the others are set aside (None: every rank)."""
+        return self.engine.among
+
+    @among.setter
+    def among(self, value: list[int] | None) -> None:
+        self.engine.among = value
+
+    sums_among = True
+
+    def form_subgroup(self, ranks) -> bool:
+        return self.engine.form_subgroup(ranks)
+
+    def end_subgroup(self) -> None:
+        self.engine.end_subgroup()
+
+    @property
     def joining(self) -> bool:
         return self.engine.joining
 

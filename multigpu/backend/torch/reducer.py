@@ -391,7 +391,7 @@ class GradientSync:
             self.writer.write(target[o : o + shape.numel()], g, weight)
 
     def _check_header(self, got: list[float], tag: int, describe) -> None:
-        world = float(1 if self.comm.alone else len(self.comm.members))  # the ranks left (alone: itself)
+        world = float(1 if self.comm.alone else len(self.comm.among or self.comm.members))  # the ranks summed
         if got[2] != world or got[0] != world * tag or got[1] != world * tag * tag:
             from multigpu.engine.shm import CollectiveMismatchError
             failure.fail(str(CollectiveMismatchError(
