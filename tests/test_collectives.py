@@ -109,8 +109,8 @@ def test_every_comm_does_the_same_on_a_real_run(runner, backend):
 @pytest.mark.parametrize(("backend", "transport"), [("torch", "shm"), ("torch", "gloo"), ("jax", "shm")])
 def test_sums_over_part_of_the_ranks_then_over_every_rank(runner, backend, transport):
     """The step's sums of the devices left while others are set aside (``among``): over those ranks only, as often
-    as they step, and over every rank again after ``end_subgroup`` (shared memory: the ranks' call counts differ
-    until then; the process group's: a subgroup of its own).  TensorFlow's ``Comm`` is the engine's (torch's)."""
+    as they step, without touching what the rank set aside last summed with them (on shared memory they have a
+    segment of their own), and over every rank again after.  TensorFlow's ``Comm`` is the engine's (torch's)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
     if transport == "shm" and not x86:
         pytest.skip("shared memory needs CPU devices of one x86-64 machine")
@@ -128,4 +128,6 @@ def test_sums_over_part_of_the_ranks_then_over_every_rank(runner, backend, trans
         assert first["among"] == ([[3.0, 30.0 + 2 * i] for i in range(3)] if r in (0, 1) else []), got
         assert second["among"] == ([[5.0, 50.0 + 2 * i] for i in range(2)] if r in (1, 2) else []), got
         assert first["every"] == second["every"] == every and got["first"] == [6.0, 0.0], got
+        # the rank set aside reads its last sum over every rank after the others summed among themselves
+        assert first["late"] == ([6.0, 0.0] if r == 2 else None) and second["late"] == (every if r == 0 else None)
     assert runner.leftovers() == []

@@ -232,3 +232,16 @@ def test_the_testing_aid_keeps_several_devices(monkeypatch):
     assert p.due == [2] and p.left == [0, 1] and p.kept == 0
     p.park([1.0, 1.0, 1.0], epoch=1)
     assert "CPU:2@0.1 set aside from epoch 2: MULTIGPU_PARK=force:1,0;" in p.lines[-1]
+
+
+def test_bench_advice_names_the_group_that_pays():
+    from multigpu.cli.bench import _who_pays
+
+    rows = [{"device": d.label, "samples": s, "compute": 0.1, "steps": 10, "samples_per_second": s / 0.4, "sum": 0.05}
+            for d, s in zip(THREE, [300, 300, 40])]
+    line, verdict = _who_pays({"report": {"devices": rows}})
+    pair = 64 / (64 / 6000 + 0.005)  # no calibration here: every second of a step grows with its rows
+    assert verdict["devices"] == ["CPU:0", "CPU:1"] and verdict["alone"] == pytest.approx(pair, abs=0.1)
+    assert line.startswith(f"which devices pay: CPU:0, CPU:1 (CPU:2@0.1 does not): without the rest they would "
+                           f"compute about {pair:.0f} samples/s at this batch, at least 1.1x the 1600 the devices ran "
+                           "together")

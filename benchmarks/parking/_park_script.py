@@ -1,10 +1,11 @@
 """One run of bench_park.py: a model trained for EPOCHS epochs of STEPS steps at BATCH, plain Keras on one device
 (``single``) or through multigpu on ``cpu:0`` and ``cpu:1`` with automatic shares (``auto``).
 
-    python _park_script.py MODE MODEL WIDTH BATCH STEPS EPOCHS OUT [SECOND [FIRST]]
+    python _park_script.py MODE MODEL WIDTH BATCH STEPS EPOCHS OUT [SECOND [FIRST [THIRD]]]
 
 SECOND: the second device (default ``cpu:1``; ``cpu:1@0.2`` for one at a fifth of a core); FIRST: the first
-(default ``cpu:0``; ``cpu:0@0.2``: the slow device listed first, the leader).
+(default ``cpu:0``; ``cpu:0@0.2``: the slow device listed first, the leader); THIRD: a third device (none by
+default; ``cpu:2@0.1``: a tenth of a core).
 
 Rank 0 writes the samples/s of the last ``LAST`` epochs (their rows over their wall time), each epoch's time, and
 the shares after the fit to OUT (JSON).
@@ -26,6 +27,7 @@ mode, name, width, batch, steps, epochs, out = (sys.argv[1], sys.argv[2], float(
                                                 int(sys.argv[5]), int(sys.argv[6]), sys.argv[7])
 second = sys.argv[8] if len(sys.argv) > 8 else "cpu:1"
 first = sys.argv[9] if len(sys.argv) > 9 else "cpu:0"
+third = sys.argv[10:11]
 spec = get_model(name)
 keras.utils.set_random_seed(0)
 x, y = spec.data(batch * steps, 0)
@@ -33,7 +35,7 @@ model = spec.build(width)
 if mode == "auto":
     import multigpu
 
-    model = multigpu.parallelize(model, devices=[first, second], ratios="auto")
+    model = multigpu.parallelize(model, devices=[first, second, *third], ratios="auto")
 spec.compile(model)
 
 

@@ -79,9 +79,6 @@ class Group(Protocol):
     def form_subgroup(self, ranks: list[int]) -> bool:
         """Every rank: readies the step's sums over ``ranks`` only (:attr:`among`); False where they cannot."""
 
-    def end_subgroup(self) -> None:
-        """Every rank, after sums over part of the ranks: before its next collective over every rank."""
-
     def sum_floats(self, values: Sequence[float], what: str = "a collective") -> list[float]:
         """The sum over ranks of a short list of floats (float64 on the engine, float32 on JAX)."""
 

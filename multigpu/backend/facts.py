@@ -43,6 +43,9 @@ class Facts:
         shard_by_default: whether the optimizer state goes in parts by default where the sums run through
             shared memory (measured faster and smaller on torch and TensorFlow; on JAX the parts live in the
             compiled step's state, a device set aside cannot leave them, and they were not measured faster).
+        sums_among_gpus: whether the step's sums can run over part of the ranks (devices set aside, more than one
+            left) on GPUs too; JAX's XLA sums are over every rank, its shared memory (CPU devices of one machine)
+            can.
         shard_gradients: whether ``parallelize(..., shard="gradients")`` is built for the backend.
         shard_weights: whether ``parallelize(..., shard="weights")`` is built for the backend.
         elastic: whether a run may go on without a lost device (``min_devices``): its engine can leave a
@@ -70,6 +73,7 @@ class Facts:
     versions: Callable[[], dict] = field(default=dict)
     shard_optimizer: bool = False
     shard_by_default: bool = True
+    sums_among_gpus: bool = True
     shard_gradients: bool = False
     shard_weights: bool = False
     elastic: bool = False

@@ -63,7 +63,6 @@ class SetAside:
         self.taken = self._weights_at = self._state_at = 0
         self._together = False  # a step of this epoch was taken by every rank (planned before the move)
         self._shared_at = -1  # ``taken`` when the rank left last shared its epoch (:meth:`epoch_results`)
-        self._met_at = 0  # ``taken`` when every rank last met after sums over the ranks left (:meth:`_meet`)
 
     @property
     def comm(self):
@@ -104,13 +103,6 @@ class SetAside:
         self.steps.forget_results()  # the epoch's results come from the rank left at its end
         return self.logs
 
-    def _meet(self) -> None:
-        """Every rank, before a collective over every rank: where the ranks left summed among themselves since the
-        last meeting, every rank meets again (``comm.end_subgroup``)."""
-        if len(self.judgment.left) > 1 and self.taken > self._met_at:
-            self.comm.end_subgroup()
-            self._met_at = self.taken
-
     # ------------------------------------------------------------- epoch boundaries (every rank)
     def epoch_begins(self, epoch: int) -> None:
         """Sets aside the ranks the judgment named, if any."""
@@ -140,7 +132,6 @@ class SetAside:
         if not self.judgment.parked or self._together:
             return None
         if len(self.judgment.left) > 1:  # the ranks set aside hold zeros: the sum over every rank is the ranks left's
-            self._meet()
             return None
         tally = self.balancer.tally
         mine = None
@@ -158,7 +149,6 @@ class SetAside:
         :meth:`epoch_results`)."""
         if not self.judgment.parked or self._shared_at == self.taken:
             return
-        self._meet()
         kept, tally = self.judgment.kept, self.balancer.tally
         mine = (tally.totals, self.judgment.measured) if self.comm.rank == kept else None
         tally.totals, self.judgment.measured = self.comm.share(mine, kept, "judging the devices set aside")
@@ -171,7 +161,6 @@ class SetAside:
         :meth:`up_to_date`)."""
         if not self.judgment.parked:
             return
-        self._meet()
         kept = self.judgment.kept
         if not self.judgment.keeps_aside():
             self._back(epoch)
@@ -185,8 +174,6 @@ class SetAside:
         """Before a save (every rank): while the leader is set aside, the rank left's whole state (weights and
         optimizer state) on every rank, where it trained since it last sent it."""
         kept = self.judgment.kept
-        if self.judgment.parked:
-            self._meet()
         if self.judgment.parked and kept != self.comm.leader and self.taken > self._state_at:
             with self.steps.whole_optimizers():  # (optimizer state in parts: the rank left holds every part)
                 self.steps._welcome_state(kept)
@@ -198,7 +185,6 @@ class SetAside:
             self._back(None)
 
     def _back(self, epoch: int | None, again: bool = False) -> None:
-        self._meet()
         shards = self.steps.shards
         if shards is not None:
             shards.gather()  # the ranks left hold every part: each rank holds the whole state

@@ -1,10 +1,11 @@
 """Setting aside the devices that do not pay: the judgment (automatic shares only; the steps do the moves).
 
-When the first device (the leader) alone computes faster than all the devices together
-run (the sums and the waits cost more than the others add: a small model, a
-slow link, a device far slower than the rest), the others are set aside:
-from the next epoch they get no rows and leave the step's sum, which on the
-one device left is no sum at all; they stay in the run and in every
+When the first device (the leader) alone, or a group of the devices without
+the rest, computes faster than all the devices together run (the sums and the
+waits cost more than the others add: a small model, a slow link, a device far
+slower than the rest), the others are set aside: from the next epoch they get
+no rows and leave the step's sum, which on one device left is no sum at all
+and on several a sum among them; they stay in the run and in every
 collective outside the training steps (validation, saves, the epoch's
 metrics), and take the current weights and optimizer state when they come
 back.  The judgment is the same on every rank (it reads the shared step
@@ -32,8 +33,16 @@ records), so every rank moves at the same epoch boundary.
   set aside, the device left sends it its weights at every epoch's end and its
   whole state before a save (the leader's callbacks read and save what was
   trained: :mod:`multigpu.backend.parking`).
-* **Tried**: while set aside, the device left measures its throughput alone;
-  at the epoch's end it keeps the others aside when it ran at least as fast
+  With three devices or more, where the steps can sum over part of the ranks
+  (``groups``: not JAX's XLA sums), every group of more than one device is
+  estimated too (:meth:`Parking.group_estimate`: each keeps its fixed work and
+  speed a row, the rows go where the devices finish together, the sum costs
+  what it cost them all); the best group is kept where it beats the devices
+  together by :data:`MARGIN` and the estimate of the device judged alone
+  (no trial for a group: its fixed work, sums included, was measured
+  together).
+* **Tried**: while set aside, the devices left measure their throughput
+  without them; at the epoch's end they keep the others aside when they ran at least as fast
   as they ran together, else they come back, and this ``fit`` does not set
   them aside again (a trial that lost costs one epoch at the device's speed
   alone, which its ceiling put near the together figure).
@@ -132,23 +141,32 @@ class Parking:
             return
         if self._epochs < EPOCHS:
             return
-        keeper = self.keeper(e, leader, solo)
-        self.judgment = self.verdict(e, keeper, solo, self.devices, self.together)
-        self.judgment["set_aside"] = []
-        group = self.best_group(e, solo) if self.groups and n > 2 else None
-        if group is not None and group[1] >= MARGIN * self.together and (
-                self.judgment["pays"] or self.judgment["trial"] or group[1] > self.judgment["alone"]):
+        left, self.judgment = self.choose(e, leader, solo, self.devices, self.together, self.groups)
+        if left:
+            self._keep(left, n)
+            self.alone_speed = self.judgment["alone"]
+            self.judgment["set_aside"] = [self.devices[r].label for r in self.due]
+
+    @classmethod
+    def choose(cls, e: dict, leader: int, solo: Sequence[float] | None, devices: Sequence,
+               together: float | None = None, groups: bool = False) -> tuple[list[int], dict]:
+        """The ranks to keep at an epoch's totals ``e`` (none: every device pays) and the judgment's figures
+        (:meth:`verdict`; where a group of devices is kept, ``devices`` names them and ``alone`` is their
+        estimate): the device that would compute fastest alone (:meth:`keeper`), or with ``groups`` (sums over
+        part of the ranks) the best group of more than one device (:meth:`best_group`) where it beats the devices
+        together by :data:`MARGIN` and that device alone."""
+        judgment = cls.verdict(e, cls.keeper(e, leader, solo), solo, devices, together)
+        judgment["set_aside"] = []
+        group = cls.best_group(e, solo) if groups and len(e["samples"]) > 2 else None
+        if group is not None and group[1] >= MARGIN * judgment["together"] and (
+                judgment["pays"] or judgment["trial"] or group[1] > judgment["alone"]):
             left, estimate = group
-            self.judgment.update(device=self.devices[left[0]].label, alone=round(estimate, 1), pays=False,
-                                 trial=False, ceiling=round(estimate, 1))
-            self.judgment["devices"] = [self.devices[r].label for r in left]
-        elif not self.judgment["pays"]:
-            left = [keeper]
-        else:
-            return
-        self._keep(left, n)
-        self.alone_speed = self.judgment["alone"]
-        self.judgment["set_aside"] = [self.devices[r].label for r in self.due]
+            judgment.update(device=devices[left[0]].label, alone=round(estimate, 1), pays=False, trial=False,
+                            ceiling=round(estimate, 1), devices=[devices[r].label for r in left])
+            return left, judgment
+        if not judgment["pays"]:
+            return [cls.keeper(e, leader, solo)], judgment
+        return [], judgment
 
     def _keep(self, left: Sequence[int], n: int) -> None:
         self.left, self.kept = list(left), left[0]

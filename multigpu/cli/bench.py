@@ -123,7 +123,8 @@ def _who_pays(result: dict) -> tuple[str, dict] | None:
     """Which devices pay at this model and batch, judged as automatic shares judge an epoch (the steps of the
     device that would compute fastest alone, the first unless another beats it by the margin: fixed work and
     rows at its speed, grown to the whole batch, against the devices together;
-    :meth:`multigpu.balancing.parking.Parking.verdict`), from the run's epoch report; None without one."""
+    :meth:`multigpu.balancing.parking.Parking.choose`, a group of devices included), from the run's epoch report;
+    None without one."""
     from types import SimpleNamespace
 
     from multigpu.balancing.parking import MARGIN, Parking
@@ -132,11 +133,20 @@ def _who_pays(result: dict) -> tuple[str, dict] | None:
     if len(rows) < 2 or not all(r.get("samples") and r.get("samples_per_second") for r in rows):
         return None
     e = {"samples": [r["samples"] for r in rows], "compute": [r["compute"] for r in rows],
-         "wall": [r["samples"] / r["samples_per_second"] for r in rows], "steps": rows[0]["steps"]}
-    leader = Parking.keeper(e, 0, None)  # the device that would stay were the others set aside
-    verdict = Parking.verdict(e, leader, None, [SimpleNamespace(label=r["device"]) for r in rows])
-    others = ", ".join(r["device"] for i, r in enumerate(rows) if i != leader)
-    if verdict["pays"]:
+         "wall": [r["samples"] / r["samples_per_second"] for r in rows], "steps": rows[0]["steps"],
+         "sum": max(r.get("sum", 0.0) for r in rows)}
+    # (a group of devices may stay where the steps sum over part of the ranks: not JAX's XLA sums, on GPUs)
+    groups = backend.facts().sums_among_gpus or all(r["device"].startswith("CPU") for r in rows)
+    left, verdict = Parking.choose(e, 0, None, [SimpleNamespace(label=r["device"]) for r in rows], groups=groups)
+    leader = left[0] if left else Parking.keeper(e, 0, None)  # the device that would stay were the others aside
+    others = ", ".join(r["device"] for i, r in enumerate(rows) if i not in (left or [leader]))
+    if len(left) > 1:
+        verb = "does" if len(rows) - len(left) == 1 else "do"
+        line = (f"which devices pay: {', '.join(verdict['devices'])} ({others} {verb} not): without the rest they "
+                f"would compute about {verdict['alone']:.0f} samples/s at this batch, at least {MARGIN:g}x the "
+                f"{verdict['together']:.0f} the devices ran together; with ratios='auto' a fit sets the rest aside "
+                "from its second epoch")
+    elif verdict["pays"]:
         line = (f"which devices pay: all of them ({verdict['device']} alone would compute about "
                 f"{verdict['alone']:.0f} samples/s at this batch, the devices together ran {verdict['together']:.0f})")
     elif verdict["trial"]:

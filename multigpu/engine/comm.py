@@ -79,6 +79,7 @@ class Comm:
         self.among: list[int] | None = None
         self._subgroups: dict[tuple[int, ...], object] = {}  # the process group's own, by ranks (gloo, NCCL)
         self._shm: SharedMemory | None = None
+        self._part: SharedMemory | None = None  # the sums over part of the ranks, through a segment of their own
         self.transport = self._choose(transport)
         if self.transport == "shm":
             self._shm = SharedMemory(self, runtime.timeout)
@@ -103,22 +104,16 @@ class Comm:
     sums_among = True  # the step's sums can run over part of the ranks (:meth:`form_subgroup`)
 
     def form_subgroup(self, ranks: Sequence[int]) -> bool:
-        """Every rank, before the others are set aside: the step's sums over ``ranks`` only (:attr:`among`) once
-        every rank is done with the sums before (shared memory), or in a subgroup of the process group's own."""
+        """Every rank, before the others are set aside: the step's sums over ``ranks`` only (:attr:`among`),
+        through a shared segment of their own or a subgroup of the process group's own."""
         key = tuple(ranks)
         with self.fatal("forming the group of the ranks left"):
             if self._shm is not None:
-                self._shm.begin_part()
+                self._part = self._part or SharedMemory(self, self.runtime.timeout)
+                self._part.reserve(self._shm.capacity)
             elif key not in self._subgroups:
                 self._subgroups[key] = dist.new_group(list(key))
         return True
-
-    def end_subgroup(self) -> None:
-        """Every rank, when the devices set aside come back: the next sums are over every rank again (on shared
-        memory, the ranks' call counts made equal)."""
-        if self._shm is not None:
-            with self.fatal("taking back the ranks set aside"):
-                self._shm.realign()
 
     @property
     def group_rank(self) -> int:
@@ -172,7 +167,7 @@ class Comm:
             failure.fail(f"could not form a group of ranks {self.members} (before: {before}): "
                          f"{type(exc).__name__}: {exc}")
         if self._shm is not None:
-            self._shm = SharedMemory(self, self.runtime.timeout)
+            self._shm, self._part = SharedMemory(self, self.runtime.timeout), None
         for listener in self._on_regroup:
             listener(members)
 
@@ -268,9 +263,10 @@ class Comm:
         shared memory each rank writes straight into the result, which nobody adds up; elsewhere the vector
         comes zeroed, for a sum that leaves each element as its writer wrote it.
         """
-        if self._shm is not None and dtype in _SHM_DTYPES and not self.alone:
+        shm = self._shm if self.among is None else self._part
+        if shm is not None and dtype in _SHM_DTYPES and not self.alone:
             with self.fatal("preparing shared memory"):
-                return self._shm.buffer(n, dtype, disjoint, part=self.among is not None)
+                return shm.buffer(n, dtype, disjoint, part=self.among is not None)
         key = (n, dtype)  # (alone: a private buffer, summed in place as gloo sums it)
         buf = self._buffers.get(key)
         if buf is None:
@@ -300,8 +296,9 @@ class Comm:
             return buf  # the sum over this rank alone
         with self.fatal(what):
             if self._shm is not None and self._shm.owns(buf):
-                places = None if self.among is None else [self.members.index(r) for r in self.among]
-                out = self._shm.reduce(buf, tag, describe, places)
+                out = self._shm.reduce(buf, tag, describe)
+            elif self.among is not None and self._part is not None and self._part.owns(buf):
+                out = self._part.reduce(buf, tag, describe, [self.members.index(r) for r in self.among])
             else:
                 membership.at("sum", self.rank)
                 group = None if self.among is None else self._subgroups[tuple(self.among)]

@@ -67,10 +67,9 @@ class SharedMemory:
 
     A call may be over part of the ranks (``among``: their places, the others
     set aside, :mod:`multigpu.backend.parking`): they wait for each other
-    only and sum a chunk each, after :meth:`begin_part` (every rank) saw
-    every rank done with the calls before; the ranks' call counts then
-    differ, and :meth:`realign` (every rank) sets them equal before the next
-    call over every rank.
+    only and sum a chunk each.  Such calls go to a segment of their own
+    (:meth:`reserve`), so that they never write a set the others may still
+    read, and the call counts of the calls over every rank stay equal.
     """
 
     def __init__(self, comm, timeout: float, setup=None) -> None:
@@ -131,16 +130,14 @@ class SharedMemory:
         self._pending = (nbytes, view.data_ptr(), disjoint)
         return view
 
-    def begin_part(self) -> None:
-        """Every rank, before calls over part of the ranks: waits until every rank is done with the results of the
-        calls before (a call over part of the ranks does not wait for the others, and its next-but-one writes the
-        set they read last)."""
-        self.setup.barrier()
-
-    def realign(self) -> None:
-        """Every rank: the call count of the rank that made the most calls (after calls over part of the ranks),
-        so that the next call over every rank starts at the same count everywhere."""
-        self.seq = self.setup.largest(self.seq)
+    def reserve(self, nbytes: int) -> None:
+        """Every rank: room for sums of ``nbytes`` (a segment for calls over part of the ranks, as large as the
+        one of the calls over every rank), and the ranks' call counts made equal (some made calls others did
+        not, over an earlier part of the ranks)."""
+        if nbytes > self.capacity:
+            self._grow(nbytes)
+        else:
+            self.seq = self.setup.largest(self.seq)
 
     def _wait(self, flags: np.ndarray, s: int, phase: str, among: list[int] | None = None) -> None:
         """Until every rank (``among``: those places only) marked ``flags`` with call ``s``."""

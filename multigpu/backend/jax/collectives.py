@@ -54,7 +54,7 @@ class Comm:
         self.world_size = runtime.world_size
         self.device = jax.local_devices()[0]
         self.transport = self._choose(transport, self.device.platform == "cpu")
-        self._shm = None
+        self._shm = self._part = None  # (the sums over part of the ranks: a segment of their own)
         if self.transport == "shm":
             from multigpu.engine.shm import SharedMemory
 
@@ -106,19 +106,16 @@ class Comm:
         return self._shm is not None
 
     def form_subgroup(self, ranks) -> bool:
-        """Every rank: the step's sums over ``ranks`` only, through shared memory (once every rank is done with
-        the sums before); False with XLA's sums, which are over every rank."""
+        """Every rank: the step's sums over ``ranks`` only, through a shared segment of their own; False with
+        XLA's sums, which are over every rank."""
         if self._shm is None:
             return False
-        with self.fatal("setting devices aside"):
-            self._shm.begin_part()
-        return True
+        from multigpu.engine.shm import SharedMemory
 
-    def end_subgroup(self) -> None:
-        """Every rank, after sums over part of the ranks: the ranks' counts of shared-memory calls made equal."""
-        if self._shm is not None:
-            with self.fatal("taking back the ranks set aside"):
-                self._shm.realign()
+        with self.fatal("setting devices aside"):
+            self._part = self._part or SharedMemory(self, self.runtime.timeout, _Agreement(self))
+            self._part.reserve(self._shm.capacity)
+        return True
 
     @property
     def members(self) -> list[int]:
@@ -152,14 +149,14 @@ class Comm:
         if self.alone:
             return np.array(vector)
         with self.fatal(what):
-            among = self.among is not None and self._shm is not None  # (over part of the ranks: any float, as float32)
+            among = self.among is not None and self._part is not None  # (over part of the ranks: any float)
             if self._shm is not None and (vector.dtype == np.float32 or among) and len(vector.shape) == 1:
                 import torch
 
-                host = np.asarray(vector)
-                buf = self._shm.buffer(host.size, torch.float32, part=among)
+                host, shm = np.asarray(vector), self._part if among else self._shm
+                buf = shm.buffer(host.size, torch.float32, part=among)
                 buf.numpy()[:] = host
-                out = self._shm.reduce(buf, host.size % 2039 + 1, None, self.among if among else None)
+                out = shm.reduce(buf, host.size % 2039 + 1, None, self.among if among else None)
                 return out.numpy().astype(host.dtype)  # (a copy: the segment is reused)
             self._meet()
             local = jax.device_put(vector, self.device).reshape(1, -1)

@@ -30,6 +30,6 @@ def _warm_up() -> None:
 
 
 FACTS = Facts("jax", grid=16, scan=False, join_first=True, shard_optimizer=True, shard_by_default=False,
-              takes_torch_tensors=False,
+              sums_among_gpus=False, takes_torch_tensors=False,
               gpu_count=driver_gpu_count,
               gpu_info=lambda index: {"name": driver_gpu_name(index)}, versions=_versions, warm_up=_warm_up)

@@ -85,9 +85,6 @@ class Comm:
     def form_subgroup(self, ranks) -> bool:
         return self.engine.form_subgroup(ranks)
 
-    def end_subgroup(self) -> None:
-        self.engine.end_subgroup()
-
     @property
     def joining(self) -> bool:
         return self.engine.joining
