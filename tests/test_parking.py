@@ -198,9 +198,11 @@ def judged_three(e, groups=True) -> Parking:
 
 def test_the_devices_that_pay_stay_together_and_the_one_that_does_not_is_set_aside():
     # CPU:0 and CPU:1 without CPU:2: each its fixed work (5 ms) and rows at 6,000/s, finishing together at T with
-    # (T - 5 ms) * 12,000 = 64 rows, and the sum's 5 ms: 64 / (T + 5 ms)
+    # (T - 5 ms) * 12,000 = 64 rows, and the sum's 5 ms at the pace of a device ten times as fast as CPU:2@0.1
     finish = (64 + 2 * 0.005 * 6000) / 12000
-    pair = 64 / (finish + 0.005)
+    pair = 64 / (finish + 0.0005)
+    # the pace of the slowest device in the group: with CPU:2@0.1 in it, the whole sum
+    assert Parking.group_estimate(SLOW_THIRD, [0, 2], SOLO) < Parking.group_estimate(SLOW_THIRD, [0, 1], SOLO)
     assert Parking.group_estimate(SLOW_THIRD, [0, 1], SOLO) == pytest.approx(pair)
     assert Parking.best_group(SLOW_THIRD, SOLO) == ([0, 1], pytest.approx(pair))
     alone = Parking.alone_estimate(SLOW_THIRD, 0, SOLO)
@@ -240,7 +242,8 @@ def test_bench_advice_names_the_group_that_pays():
     rows = [{"device": d.label, "samples": s, "compute": 0.1, "steps": 10, "samples_per_second": s / 0.4, "sum": 0.05}
             for d, s in zip(THREE, [300, 300, 40])]
     line, verdict = _who_pays({"report": {"devices": rows}})
-    pair = 64 / (64 / 6000 + 0.005)  # no calibration here: every second of a step grows with its rows
+    # no calibration: every second of a step grows with its rows (3,000 and 400 samples/s), the sum at that pace
+    pair = 64 / (64 / 6000 + 0.005 * 400 / 3000)
     assert verdict["devices"] == ["CPU:0", "CPU:1"] and verdict["alone"] == pytest.approx(pair, abs=0.1)
     assert line.startswith(f"which devices pay: CPU:0, CPU:1 (CPU:2@0.1 does not): without the rest they would "
                            f"compute about {pair:.0f} samples/s at this batch, at least 1.1x the 1600 the devices ran "

@@ -190,13 +190,17 @@ class Parking:
     def group_estimate(cls, e: dict, ranks: Sequence[int], solo: Sequence[float] | None) -> float:
         """Samples/s of the devices of ``ranks`` (more than one) on whole batches without the others, from an
         epoch's totals ``e``: each keeps its fixed work and its speed a row (as in :meth:`alone_estimate`), the
-        rows go where the devices finish together, and the step's sum costs what it cost every device (a sum over
-        fewer ranks costs no more)."""
+        rows go where the devices finish together, and the step's sum costs what it cost every device, at the
+        pace of the group's slowest device against the slowest of all (each rank sums its chunk, and all wait
+        for all: a device at a tenth of the speed makes the sum ten times as long; a slow link, which the speeds
+        do not show, keeps the whole cost)."""
         steps = e["steps"]
         batch = sum(e["samples"]) / steps
-        per_row = {r: cls._per_row(e, r, solo) for r in ranks}
+        every = [cls._per_row(e, r, solo) for r in range(len(e["samples"]))]
+        per_row = {r: every[r] for r in ranks}
         if any(v is None for v in per_row.values()):
             return 0.0
+        pace = max(per_row.values()) / max(v for v in every if v is not None)
         fixed = {r: max(0.0, e["compute"][r] - e["samples"][r] * per_row[r]) / steps for r in ranks}
         active = sorted(ranks, key=lambda r: fixed[r])
         while True:  # the time T at which the devices with fixed work below T share the batch
@@ -204,7 +208,7 @@ class Parking:
             if finish >= fixed[active[-1]] or len(active) == 1:
                 break
             active.pop()
-        return batch / (finish + e["sum"] / steps)
+        return batch / (finish + pace * e["sum"] / steps)
 
     @classmethod
     def keeper(cls, e: dict, leader: int, solo: Sequence[float] | None) -> int:
