@@ -87,7 +87,14 @@ class Comm:
             return
         from multigpu.backend.jax.group import coordination_client
 
-        coordination_client().wait_at_barrier("multigpu/first-collective", int(max(1, self.runtime.timeout) * 1000))
+        seconds = max(1, self.runtime.timeout)
+        try:
+            coordination_client().wait_at_barrier("multigpu/first-collective", int(seconds * 1000))
+        except Exception as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            failure.fail(f"another rank did not reach the first collective within {seconds:g} s (a rank on a "
+                         f"small share of a core starts JAX slowly){failure.timeout_hint(seconds)}")
         self._met = True
 
     # ------------------------------------------------------- the group
