@@ -17,7 +17,7 @@ class ThreadComm:
         self.rank, self.shared = rank, shared
         self.world_size = shared["world"]
         self.members = list(range(self.world_size))  # the ranks in the group, as the engine's Comm says
-        self.alone = False  # (no device set aside)
+        self.alone, self.among = False, None  # (no device set aside)
 
     def buffer(self, n, dtype=torch.float32):
         return torch.empty(n, dtype=dtype)

@@ -85,7 +85,8 @@ class State:
             ``ceiling`` (its rows alone with no fixed work), ``together`` (the devices' best samples/s together in
             the fit), ``pays``, ``trial`` (set aside to measure: the floor and the ceiling straddle the together
             figure) and ``set_aside`` (the devices set aside for it; after a trial alone that ran slower, empty
-            again, with ``alone_ran`` and ``pays`` true).
+            again, with ``alone_ran`` and ``pays`` true); where a group of devices stays (three or more),
+            ``devices`` names it, ``device`` is its first and ``alone`` its estimate without the rest.
     """
 
     rank: int
