@@ -6,14 +6,18 @@ round unevenly (37 + 27, 29 + 35, 38 + 26).  Rank 0 takes, before
 every step, the parallel model's weights into a plain Keras copy and makes
 Keras's own step on the whole batch (``tests/scripts/splits.py``): the two
 updates agree to float rounding at every one of the 180 steps.  End to end,
-the three epochs also carry the model's own float spread: at step 107 a ReLU
-of the second layer has an input 7e-10 from zero for one row, so any change of
-summation order (two devices' partial sums, or one device's other kernels)
-may flip that row's gradient there and the runs part by up to 1.4e-1.  The
-test measures that spread on one device (``TF_ENABLE_ONEDNN_OPTS=0``, the same
-model and data, TensorFlow's Eigen kernels instead of oneDNN's: 1.3e-1) and
-holds the N-device runs to its order (twice it); the first epoch, before the
-flip, is exact end to end.
+the three epochs also carry the model's own float spread: where a ReLU input
+lies within rounding of zero for one row, any change of summation order (two
+devices' partial sums, or one device's other kernels) may flip that row's
+gradient and the runs part by up to 1.4e-1.  Which step that is depends on the
+CPU's kernels: with oneDNN's (a CPU with AVX-512) at step 107, an input 7e-10
+from zero; with Eigen's (TensorFlow's default on an AMD EPYC without AVX-512)
+at split 29 + 35 at step 37, an input 1.4e-7 from zero, 9e-8 of its layer's
+largest.  So the test holds each run to one device's own run beside it (rank
+0's second plain copy) until a step whose ReLU input lies within ten times
+their difference of zero, and after three epochs to the spread of one device
+between TensorFlow's two kernel sets (``TF_ENABLE_ONEDNN_OPTS`` 0 and 1:
+1.3e-1), twice it.
 
 The sweep of every split from 8 + 56 to 56 + 8 runs in ``make test-outside``
 on each backend, ten steps each, step by step and end to end within 1e-5.
@@ -67,16 +71,17 @@ def _difference(a, b) -> float:
 
 
 def test_uneven_splits_on_tensorflow_take_one_devices_step_at_every_step(runner, tmp_path):
-    # one device's two runs and the two devices' at once: independent processes
-    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # one device under each of TensorFlow's kernel sets and the two devices (Eigen's) at once: independent processes
+    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
     done = runner.together((_plain_args("plain", 3840, 3), env),
-                           (_plain_args("eigen", 3840, 3), {**env, "TF_ENABLE_ONEDNN_OPTS": "0"}),
+                           (_plain_args("onednn", 3840, 3), {**env, "TF_ENABLE_ONEDNN_OPTS": "1"}),
                            (_parallel_args(ISSUE_SPLITS, 3840, 3, runner.tmp_path / "tensorflow.json"), env),
                            timeout=540)
     for res in done:
         assert res.returncode == 0, res.stdout[-3000:]
     reference = json.loads((tmp_path / "plain.json").read_text())["plain"]
-    spread = _difference(tmp_path / "plain.json.plain.epoch3.npz", tmp_path / "eigen.json.plain.epoch3.npz")
+    spread = _difference(tmp_path / "plain.json.plain.epoch3.npz", tmp_path / "onednn.json.plain.epoch3.npz")
+    assert spread > 0  # the two kernel sets did run
     results = json.loads((tmp_path / "tensorflow.json").read_text())
     assert sorted(results) == sorted(ISSUE_SPLITS)
     ends = []
@@ -84,9 +89,12 @@ def test_uneven_splits_on_tensorflow_take_one_devices_step_at_every_step(runner,
         assert got["steps"] == 180, (split, got)
         assert got["step_error"] <= TOLERANCE, (split, got)
         np.testing.assert_allclose(got["loss"][0], reference["loss"][0], rtol=TOLERANCE)
-        # the first epoch, before step 107's flip, end to end; the three epochs, as far as one device's own spread
-        assert _difference(tmp_path / "plain.json.plain.epoch1.npz",
-                           tmp_path / f"tensorflow.json.{split}.epoch1.npz") <= TOLERANCE
+        # end to end beside one device alone, until a ReLU input within reach of their difference flips
+        parts, margins = got["parts"], got["margins"]
+        parted = next((i for i, part in enumerate(parts) if part > TOLERANCE), None)
+        if parted is not None:
+            assert parted > 0 and margins[parted] <= 10 * parts[parted - 1], (split, parted, parts[:parted + 1],
+                                                                              margins[parted])
         ends.append(_difference(tmp_path / "plain.json.plain.epoch3.npz",
                                 tmp_path / f"tensorflow.json.{split}.epoch3.npz"))
     assert max(ends) <= 2 * spread, (ends, spread)

@@ -11,6 +11,9 @@ update).  That is the promise, step by step:
 the N devices' step is one device's step from the same weights, to float rounding.  The end-to-end weights go
 to OUT too; over many steps they also carry the model's own float spread (a ReLU whose input lands within
 rounding of zero flips with any change of summation order, on one device too: docs/concepts/exactness.md).
+Rank 0 also trains a second plain copy alone from the start: per step, how far the parallel weights are from
+it (``parts``) and the ReLU input nearest zero on that step's batch (``margins``, relative to its layer's
+largest), so that a test can tell where the two runs part and whether a ReLU input lay within reach there.
 The weights of each split after each epoch are written to ``OUT.<split>.epochN.npz`` (``OUT.plain.epochN.npz``
 for the plain run).
 """
@@ -44,6 +47,16 @@ def data(rows: int):
     return rng.random((rows, 784), dtype=np.float32), rng.integers(0, 10, rows)
 
 
+def relu_margin(weights: list, x: np.ndarray) -> float:
+    """The ReLU input nearest zero on batch ``x``, relative to its layer's largest, for the MLP's ``weights``."""
+    margin, h = 1.0, x
+    for kernel, bias in zip(weights[0:4:2], weights[1:4:2]):
+        z = np.abs(h @ kernel + bias)
+        margin = min(margin, float(z.min() / z.max()))
+        h = np.maximum(h @ kernel + bias, 0)
+    return margin
+
+
 class StepByStep(keras.callbacks.Callback):
     """One device's step from the parallel model's weights, beside each parallel step (shuffle=False)."""
 
@@ -56,6 +69,11 @@ class StepByStep(keras.callbacks.Callback):
         self.worst = 0.0
         self.worst_step = -1
         self.steps = 0
+        # one device's own run beside it, from the start: where the two part, and how near zero a ReLU input came
+        self.alone = build()
+        compile_(self.alone)
+        self.parts: list[float] = []
+        self.margins: list[float] = []
 
     def on_train_batch_begin(self, batch, logs=None):
         self.before = [np.array(w) for w in self.model.get_weights()]
@@ -72,6 +90,10 @@ class StepByStep(keras.callbacks.Callback):
                 err = float(np.max(np.maximum(np.abs(w1 - ref) - np.spacing(np.abs(ref)), 0))) / scale
                 if err > self.worst:
                     self.worst, self.worst_step = err, self.steps
+        self.margins.append(relu_margin(self.alone.get_weights(), self.x[rows]))
+        self.alone.train_on_batch(self.x[rows], self.y[rows])
+        self.parts.append(max(float(np.max(np.abs(w - a)) / np.max(np.abs(a)))
+                              for w, a in zip(after, self.alone.get_weights())))
         self.steps += 1
 
 
@@ -123,7 +145,8 @@ def main() -> None:
         results[split] = {"loss": history.history["loss"]}
         if not a.plain and rank == 0:
             results[split].update(step_error=callbacks[0].worst, worst_step=callbacks[0].worst_step,
-                                  steps=callbacks[0].steps)
+                                  steps=callbacks[0].steps, parts=callbacks[0].parts,
+                                  margins=callbacks[0].margins)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
