@@ -22,7 +22,7 @@ from multigpu.backend.torch.reducer import GradientSync
 class GroupComm:
     """The two hot-path calls of ``Comm`` over the process group (a world of one)."""
 
-    world_size, rank, device, members, alone = 1, 0, torch.device("cpu"), [0], False
+    world_size, rank, device, members, alone, among = 1, 0, torch.device("cpu"), [0], False, None
 
     def buffer(self, n, dtype=torch.float32):
         return torch.empty(n, dtype=dtype)
