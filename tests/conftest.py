@@ -156,6 +156,9 @@ OUTSIDE = {
         "set aside and measured again mid-fit on TensorFlow, and two devices left together on torch, stay",
     "test_cli.py::test_a_programs_logging_configuration_receives_multigpus_messages":
         "the logger's level in-process and the run's log level reaching the ranks stay",
+    "test_tensorflow.py::test_a_killed_rank_ends_the_tensorflow_run_naming_it":
+        "kill -9 of a rank on torch (the same torch.distributed engine), JAX's killed rank and TensorFlow's survivors "
+        "of a killed rank (test_faults) stay",
     "test_exactness.py::test_compression_sends_16_bits_over_either_transport_and_stays_close[shm]":
         "compression over gloo (16-bit buckets during the backward pass, the same rounding as before shared memory) "
         "stays",

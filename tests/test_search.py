@@ -214,6 +214,39 @@ def test_settled_between_two_sizes_of_the_grid_the_search_takes_the_speeds_balan
     assert all(b % 16 == 0 for b in capped_split(512, search.ratios, quantum=search.quantum)), search.ratios
 
 
+def _settle_on_grid_of_16(speeds, reported):
+    """Drives a search on the TensorFlow demo's grid (512 rows in steps of 16) at devices computing at ``speeds``
+    (the throughput) while the windows' compute times say ``reported`` (a throttled device's bursts)."""
+    search = ShareSearch([0.69, 0.31], 512, min_step=16 / 512, quantum=16, first_step=0.04, scan=(),
+                         fixed_costs=False, off_grid=True)
+    events = []
+    for _ in range(40):
+        shares = capped_split(512, search.ratios, quantum=search.quantum)
+        times = [b / s for b, s in zip(shares, speeds)]
+        said = [b / s for b, s in zip(shares, reported)]
+        events += search.observe(Window(tuple(search.ratios), 2560, 5 * max(times), tuple(5 * t for t in said),
+                                        tuple(5 * b for b in shares)))
+        if search.settled:
+            break
+    return search, events
+
+
+def test_speeds_that_a_judged_move_contradicts_do_not_take_the_search_off_the_grid():
+    """TensorFlow's demo settled off the grid at speeds a throttled device's burst gave (321 + 191 rows beside
+    336 + 176), where a move toward them had measured clearly slower than they predicted; the slow device then
+    took longer than the other at every step.  Devices at 3,039 and 1,479 samples/s (balance 344.5 + 167.5): with
+    the compute times telling those speeds the search settles at the balance off the grid; with CPU:1's compute
+    times 5% short (speeds calling for 339 + 173, one step 1% slower than 352 + 160 in truth) it stays on the
+    grid, since 336 + 176 measured 2.7% slower than 352 + 160 where those speeds said 2.2% faster."""
+    speeds = (3039.0, 1479.0)
+    search, _ = _settle_on_grid_of_16(speeds, speeds)
+    assert search.settled and capped_split(512, search.ratios) == [344, 168], search.ratios
+    search, events = _settle_on_grid_of_16(speeds, (3039.0, 1479.0 * 1.05))
+    assert search.settled, events
+    assert search.shares() == [352, 160] and search.quantum == 16, (search.ratios, events)
+    assert not any("between two sizes of the grid" in e.reason for e in events), events
+
+
 def test_a_run_of_failed_probes_settles_the_search():
     """On a noisy machine each failed probe costs a window at worse shares: ``patience`` bounds them."""
     for patience in (2, 4):
