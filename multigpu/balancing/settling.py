@@ -154,8 +154,8 @@ class Settling:
         balance off the grid is taken from one window's speeds, unmeasured: where a move judged clearly worse
         than those speeds predict (by more than ``tie_noise`` noise units of its windows and the kept shares'),
         they are not the devices' and the search stays on the grid.  TensorFlow's demo: speeds calling for
-        321 + 191 rows beside 336 + 176 kept, where 304 + 208 had measured 13% slower (they predicted 4%), and
-        the slow device then computed 191 rows in 129 ms against the other's 321 in 106 ms.
+        321 + 191 rows beside 336 + 176 kept, where 304 + 208 had measured 13% slower (they predicted 4%); the
+        slow device then computed its 191 rows in 129 ms a step against the other's 321 in 106 ms.
         """
         t = self.tuning
         before = predicted_step_time(now, self._speeds)
