@@ -122,8 +122,7 @@ class Settling:
             point = self.shares(ratios)
             if apart(base, point) + apart(point, target) > 1.25 * span + 2 * self.quantum:
                 continue  # not on the way to the balance
-            clear = max(self.noise_floor, t.tie_noise * self.noise() * math.sqrt(1 / windows + 1 / t.base_windows))
-            if relative < -clear:
+            if relative < -self._clear(windows):
                 return None  # a move toward the balance measured clearly worse
             if apart(point, target) < span and (best is None or apart(point, target) < best[0]):
                 best = (apart(point, target), ratios)
@@ -157,14 +156,18 @@ class Settling:
         321 + 191 rows beside 336 + 176 kept, where 304 + 208 had measured 13% slower (they predicted 4%); the
         slow device then computed its 191 rows in 129 ms a step against the other's 321 in 106 ms.
         """
-        t = self.tuning
         before = predicted_step_time(now, self._speeds)
         for ratios, relative, windows in self._judged:
             predicted = before / predicted_step_time(self.shares(ratios), self._speeds) - 1
-            clear = max(self.noise_floor, t.tie_noise * self.noise() * math.sqrt(1 / windows + 1 / t.base_windows))
-            if relative < predicted - clear:
+            if relative < predicted - self._clear(windows):
                 return False
         return True
+
+    def _clear(self, windows: int) -> float:
+        """How far a move measured over ``windows`` windows must fall from the kept shares' (or from what the speeds
+        predict) to count as clearly worse: ``tie_noise`` noise units of its windows and the kept shares'."""
+        t = self.tuning
+        return max(self.noise_floor, t.tie_noise * self.noise() * math.sqrt(1 / windows + 1 / t.base_windows))
 
     def _settle(self, why: str = "no move of one sample or more pays") -> list[Event]:
         tie = self._tie()
