@@ -78,8 +78,8 @@ GPU_PYTHON ?= python3
 gpu-check:
 	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py
 
-# Slow outside checks kept out of `make test`'s 12 minutes (10 min 52 s to 11 min 54 s in the last five fresh
-# 2-core clones): keras-hub's
+# Slow outside checks kept out of `make test`'s 12 minutes (14 min 28 s from a fresh 2-core clone at ddd696c:
+# CONTRIBUTING.md says where the time goes): keras-hub's
 # tasks on JAX, the CLI's bench with its DDP baselines and its sweep, and the second backend, ratio or mode of a
 # few paths (tests/conftest.py's OUTSIDE says which and why).
 test-outside: $(TEST_STAMP)

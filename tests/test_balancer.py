@@ -132,6 +132,9 @@ def test_the_first_step_at_new_local_batch_sizes_is_not_timed_and_later_ones_are
     b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (60, 68)))  # elsewhere: the window starts again
     b.record(StepRecord((1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (64, 64)))  # back at a warm size: timed at once
     assert b._window.steps == 1
+    # the epoch's report counts every step; the judgment of the devices that pay, the steps at sizes run before
+    assert b.tally.totals["steps"] == 4 and b.tally.steady()["steps"] == 2
+    assert b.tally.steady()["wall"] == [2.0, 2.0]
 
 
 def test_it_says_once_when_the_devices_together_are_slower_than_the_fastest_alone():

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from multigpu.balancing.parking import EPOCHS, MARGIN, REMEASURE, TRIAL_REACH, Parking
+from multigpu.balancing.tally import EpochTally
 from multigpu.balancing.timing import StepRecord
 
 DEVICES = [SimpleNamespace(label="CPU:0"), SimpleNamespace(label="CPU:1")]
@@ -87,6 +88,34 @@ def test_where_the_estimate_and_its_ceiling_straddle_the_devices_together_they_a
         k = judged(e, e, solo=[1 / 63e-6, 1 / 63e-6]).judgment
         assert (k["ceiling"] >= TRIAL_REACH * k["together"]) == trial, (wall, k)
         assert k["trial"] == trial and k["pays"] == (not trial) and k["set_aside"] == (["CPU:1"] if trial else [])
+
+
+def test_a_new_sizes_first_step_counts_neither_for_the_devices_together_nor_for_one_alone():
+    """TensorFlow's GRU at batch 256 on ``cpu:0`` + ``cpu:1@0.5`` (issue 65): an epoch of 48 steps of 50 ms, one of
+    which traced new sizes for a second. Judged with that second, the two devices read 3,700 samples/s, below what
+    CPU:0's ceiling alone reached, and a trial set CPU:1 aside for the rest of the fit, where fixed 2.5:1 ran
+    5,000 to 6,000 samples/s; judged on their steady steps they pay, and no trial is made."""
+    tally = EpochTally(2)
+    tally.add(StepRecord((1.0, 1.0), (1.0, 1.0), (0.9, 0.9), (176, 80)), first_use=True)
+    for _ in range(47):
+        tally.add(StepRecord((0.05, 0.05), (0.05, 0.05), (0.045, 0.042), (180, 76)))
+    with_trace, steady = dict(tally.totals), tally.steady()
+    assert with_trace["steps"] == 48 and steady["steps"] == 47 and steady["samples"] == [180 * 47, 76 * 47]
+    assert sum(steady["samples"]) / max(steady["wall"]) == pytest.approx(5120.0)
+    assert sum(with_trace["samples"]) / max(with_trace["wall"]) < 3700
+    solo = [4300.0, 1800.0]
+    assert judged(with_trace, with_trace, solo=solo).judgment["trial"]  # what the trace made of it
+    kept = judged(steady, steady, solo=solo)
+    assert kept.due == [] and kept.judgment["pays"] and kept.together == pytest.approx(5120.0)
+    # a trial alone does not count its own first step at the whole batch either
+    p = judged(with_trace, with_trace, solo=solo)
+    p.park([0.7, 0.3], epoch=2)
+    p.observe(StepRecord((1.2, 0.0), (1.2, 0.0), (1.2, 0.0), (256, 0)), first_use=True)
+    for _ in range(47):
+        p.observe(StepRecord((0.06, 0.0), (0.06, 0.0), (0.06, 0.0), (256, 0)))
+    assert p.alone == pytest.approx(256 / 0.06) and p.keeps_aside()  # against the traced 3,700: kept aside
+    p.together = kept.together
+    assert not p.keeps_aside()  # against the steady 5,120: back
 
 
 def test_multigpu_bench_names_the_devices_that_pay_from_its_epoch_report():

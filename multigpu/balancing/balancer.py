@@ -107,6 +107,7 @@ class LoadBalancer:
         self.lost = list(out)
         self.calibrated = True
         self.search = None
+        self._warm = set()  # the process started again pays every size's first use again; every rank counts alike
         self._window = StepsWindow()
         self._changed = False
         self._remeasure = self.options.auto and self.options.rebalance
@@ -134,11 +135,10 @@ class LoadBalancer:
         self._changed = False
         self._remeasure = self.options.auto and self.options.rebalance
 
-    def _measure_survivors(self, rec: StepRecord) -> None:
+    def _measure_survivors(self, rec: StepRecord, first: bool) -> None:
         """After a loss (or a rank's return), with automatic shares: the compute speeds of the devices in the run
-        over one window set them."""
-        if tuple(rec.samples) not in self._warm:
-            self._warm.add(tuple(rec.samples))  # the first step at the new local batch sizes pays their first use
+        over one window set them (``first``: the step paid its sizes' first use, not a measure)."""
+        if first:
             return
         w = self._window
         w.add(rec)
@@ -306,20 +306,30 @@ class LoadBalancer:
         """Reads the shared record of a finished step (the same on every rank)."""
         if rec is None:
             return
-        self.tally.add(rec)
+        first = self._first_use(rec)
+        self.tally.add(rec, first)
         if self.parking.parked:
-            return self.parking.observe(rec)  # (the ranks set aside take no step: on the ranks left only)
+            return self.parking.observe(rec, first)  # (the ranks set aside take no step: on the ranks left only)
         if self._remeasure:
-            self._measure_survivors(rec)
+            self._measure_survivors(rec, first)
             return
-        self._search_on(rec)
+        self._search_on(rec, first)
+
+    def _first_use(self, rec: StepRecord) -> bool:
+        """Whether the step ran local batch sizes no step of the run had run before (every rank alike): it paid their
+        first use (kernels' plans, buffers, a trace, a recorded or compiled pass), once per size, and is not a
+        measure of the shares, nor of the devices together or alone."""
+        if tuple(rec.samples) in self._warm:
+            return False
+        self._warm.add(tuple(rec.samples))
+        return True
 
     def caught_up(self, rec: StepRecord | None, ratios: Sequence[float], before_loss: dict[int, float]) -> None:
         """On a rank whose sum a loss cut short after other ranks had it: the step's record counted in the
         epoch's report, and the shares of a rank that read it in time (:meth:`record` there may have moved
         them before the loss dropped the lost rank's), so that every rank plans alike from here."""
         if rec is not None:
-            self.tally.add(rec)
+            self.tally.add(rec, self._first_use(rec))
         self.ratios = [float(r) for r in ratios]
         self._before_loss = dict(before_loss)
 
@@ -327,7 +337,7 @@ class LoadBalancer:
         """What :meth:`caught_up` takes from a rank that read the step's record in time."""
         return {"ratios": list(self.ratios), "before_loss": dict(self._before_loss)}
 
-    def _search_on(self, rec: StepRecord) -> None:
+    def _search_on(self, rec: StepRecord, first: bool) -> None:
         if self.search is None or self.batch_size is None:
             return
         steps = self.planner.taken - self._fit_start  # every step of the fit, the calibration's included
@@ -343,10 +353,7 @@ class LoadBalancer:
         if list(rec.samples) != self.search.shares():
             self._window = StepsWindow()  # a ragged step, or one run at other shares
             return
-        if tuple(rec.samples) not in self._warm:
-            # The first step at new local batch sizes pays their first use (kernels' plans, buffers, a recorded
-            # or compiled pass): once per size, not a measure of the shares. Probing such a size again is free.
-            self._warm.add(tuple(rec.samples))
+        if first:  # (:meth:`_first_use`) probing such a size again is free
             return
         w = self._window
         w.add(rec)
@@ -370,7 +377,7 @@ class LoadBalancer:
 
     def end_epoch(self, epoch: int) -> dict:
         """The epoch's per-device breakdown (from the shared records); saves the profile if shares moved."""
-        e = self.tally.totals
+        e, steady = self.tally.totals, self.tally.steady()
         total = sum(self.ratios)
         self.last_report = {"epoch": epoch, "devices": self.tally.rows(
             [d.label for d in self.devices], [r / total for r in self.ratios],
@@ -379,7 +386,7 @@ class LoadBalancer:
         if self.options.report and e["steps"]:
             self._log(format_report(self.last_report).removeprefix("multigpu: "))
         self.advice.epoch(epoch, e)
-        self.parking.judge(e, None if self.lost else 0, self.solo_speeds)  # (after a loss: no judgment)
+        self.parking.judge(steady, None if self.lost else 0, self.solo_speeds)  # (after a loss: no judgment)
         if self._changed and self.options.auto and not self.lost:
             self._save_profile()
         return self.last_report

@@ -293,8 +293,12 @@ class Parking:
                   "slower")
         return out
 
-    def observe(self, rec: StepRecord) -> None:
-        """A step of the devices left (on them only: the others do not step)."""
+    def observe(self, rec: StepRecord, first_use: bool = False) -> None:
+        """A step of the devices left (on them only: the others do not step); one that paid its local batch
+        sizes' first use (the device alone's first step at the whole batch traces or compiles it) is not counted,
+        as the devices together are judged without theirs (:meth:`EpochTally.steady`)."""
+        if first_use:
+            return
         self._alone[0] += sum(rec.samples)
         self._alone[1] += max(rec.wall)
 

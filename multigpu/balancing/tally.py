@@ -24,16 +24,34 @@ class EpochTally:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.totals: dict = {}
+        self._first: dict = {}  # the steps that paid a local batch size's first use, summed alike
         self.reset()
 
-    def reset(self) -> None:
+    def _empty(self) -> dict:
         n = self.world_size
-        self.totals = {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n,
-                       "input": [0.0] * n, "sum": 0.0, "steps": 0}
+        return {"wall": [0.0] * n, "step": [0.0] * n, "compute": [0.0] * n, "samples": [0] * n,
+                "input": [0.0] * n, "sum": 0.0, "steps": 0}
 
-    def add(self, rec: StepRecord) -> None:
-        """Counts one step's record."""
-        e = self.totals
+    def reset(self) -> None:
+        self.totals, self._first = self._empty(), self._empty()
+
+    def add(self, rec: StepRecord, first_use: bool = False) -> None:
+        """Counts one step's record (``first_use``: the step paid its local batch sizes' first use: a trace, a
+        compilation, a recorded pass; counted in the report, left out of :meth:`steady`)."""
+        self._count(self.totals, rec)
+        if first_use:
+            self._count(self._first, rec)
+
+    def steady(self) -> dict:
+        """The totals without the steps that paid a first use: what the devices run at sizes they ran before (the
+        judgment of the devices that pay compares these, together and alone, where a new size's trace can take
+        as long as twenty steps). The totals themselves where every step paid one."""
+        e, f = self.totals, self._first
+        if not f["steps"] or f["steps"] >= e["steps"]:
+            return self.totals
+        return {k: ([a - b for a, b in zip(v, f[k])] if isinstance(v, list) else v - f[k]) for k, v in e.items()}
+
+    def _count(self, e: dict, rec: StepRecord) -> None:
         for r in range(self.world_size):
             e["wall"][r] += rec.wall[r]
             e["step"][r] += rec.step[r]
