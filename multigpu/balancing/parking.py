@@ -16,7 +16,11 @@ records), so every rank moves at the same epoch boundary.
   its steps' time outside collectives, split into fixed work and its rows at
   its calibrated speed, the rows grown to the whole batch) against the best
   throughput the devices ran together in an epoch of this fit (its rows over
-  its wall time): with :data:`MARGIN` to spare, the others are set aside.  The
+  its wall time, without the steps that paid a new local batch size's first
+  use: a trace or a compilation can last as long as twenty steps, and the
+  search's moves make them in the epochs judged;
+  :meth:`~multigpu.balancing.tally.EpochTally.steady`): with :data:`MARGIN` to
+  spare, the others are set aside.  The
   fixed work measured together may hold costs a step alone does not pay (the
   host round trip of TensorFlow's sum), so the estimate is a floor; its ceiling
   is the rows alone at the device's speed, with no fixed work
@@ -42,7 +46,8 @@ records), so every rank moves at the same epoch boundary.
   (no trial for a group: its fixed work, sums included, was measured
   together).
 * **Tried**: while set aside, the devices left measure their throughput
-  without them; at the epoch's end they keep the others aside when they ran at least as fast
+  without them (their first step at the whole batch, its first use, left out);
+  at the epoch's end they keep the others aside when they ran at least as fast
   as they ran together, else they come back, and this ``fit`` does not set
   them aside again (a trial that lost costs one epoch at the device's speed
   alone, which its ceiling put near the together figure).
