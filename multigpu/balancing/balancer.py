@@ -27,7 +27,7 @@ from multigpu.balancing.options import BalanceOptions
 from multigpu.balancing.parking import Parking
 from multigpu.balancing.profiles import ProfileError, default_profile_path, profile_key, read_profile, write_profile
 from multigpu.balancing.search import ShareSearch, Window
-from multigpu.balancing.tally import EpochTally, StepsWindow
+from multigpu.balancing.tally import EpochTally, SizesRun, StepsWindow
 from multigpu.balancing.timing import StepRecord, format_report
 from multigpu.balancing.windows import Event
 from multigpu.planning.plan import StepPlanner
@@ -80,7 +80,7 @@ class LoadBalancer:
         self.last_report: dict | None = None
         self.planner = StepPlanner(self.shares, rank)
         self._window = StepsWindow()
-        self._warm: set[tuple[int, ...]] = set()  # local batch sizes every rank has run a step at
+        self._sizes = SizesRun()  # the local batch sizes every rank has run a step at
         self.tally = EpochTally(self.world_size)  # this epoch's steps, as every rank recorded them
         self._changed = False
         self.advice = Advice(self.devices, log, options.compression)
@@ -107,7 +107,7 @@ class LoadBalancer:
         self.lost = list(out)
         self.calibrated = True
         self.search = None
-        self._warm = set()  # the process started again pays every size's first use again; every rank counts alike
+        self._sizes = SizesRun()  # the process started again pays every size's first use again: every rank alike
         self._window = StepsWindow()
         self._changed = False
         self._remeasure = self.options.auto and self.options.rebalance
@@ -306,7 +306,7 @@ class LoadBalancer:
         """Reads the shared record of a finished step (the same on every rank)."""
         if rec is None:
             return
-        first = self._first_use(rec)
+        first = self._sizes.first_use(rec)
         self.tally.add(rec, first)
         if self.parking.parked:
             return self.parking.observe(rec, first)  # (the ranks set aside take no step: on the ranks left only)
@@ -315,21 +315,12 @@ class LoadBalancer:
             return
         self._search_on(rec, first)
 
-    def _first_use(self, rec: StepRecord) -> bool:
-        """Whether the step ran local batch sizes no step of the run had run before (every rank alike): it paid their
-        first use (kernels' plans, buffers, a trace, a recorded or compiled pass), once per size, and is not a
-        measure of the shares, nor of the devices together or alone."""
-        if tuple(rec.samples) in self._warm:
-            return False
-        self._warm.add(tuple(rec.samples))
-        return True
-
     def caught_up(self, rec: StepRecord | None, ratios: Sequence[float], before_loss: dict[int, float]) -> None:
         """On a rank whose sum a loss cut short after other ranks had it: the step's record counted in the
         epoch's report, and the shares of a rank that read it in time (:meth:`record` there may have moved
         them before the loss dropped the lost rank's), so that every rank plans alike from here."""
         if rec is not None:
-            self.tally.add(rec, self._first_use(rec))
+            self.tally.add(rec, self._sizes.first_use(rec))
         self.ratios = [float(r) for r in ratios]
         self._before_loss = dict(before_loss)
 
@@ -353,7 +344,7 @@ class LoadBalancer:
         if list(rec.samples) != self.search.shares():
             self._window = StepsWindow()  # a ragged step, or one run at other shares
             return
-        if first:  # (:meth:`_first_use`) probing such a size again is free
+        if first:  # (:meth:`SizesRun.first_use`) probing such a size again is free
             return
         w = self._window
         w.add(rec)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from multigpu.balancing.timing import StepRecord
 
-__all__ = ["EpochTally", "StepsWindow"]
+__all__ = ["EpochTally", "SizesRun", "StepsWindow"]
 
 
 class EpochTally:
@@ -102,3 +102,20 @@ class StepsWindow:
         for r, (c, n) in enumerate(zip(rec.compute, rec.samples)):
             self.compute[r] += c
             self.local[r] += n
+
+
+class SizesRun:
+    """The local batch sizes the run's steps have run at (the same on every rank: it reads the shared records)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, ...]] = set()
+
+    def first_use(self, rec: StepRecord) -> bool:
+        """Whether the step ran local batch sizes no step had run before: it paid their first use (kernels' plans,
+        buffers, a trace, a recorded or compiled pass), once per size, and is not a measure of the shares, nor
+        of the devices together or alone."""
+        sizes = tuple(rec.samples)
+        if sizes in self._seen:
+            return False
+        self._seen.add(sizes)
+        return True
