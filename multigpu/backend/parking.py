@@ -138,7 +138,8 @@ class SetAside:
         if self.comm.rank == kept:
             mine = ({k: np.asarray(v) if np.ndim(v) else float(v) for k, v in local().items()}, tally.totals,
                     self.judgment.measured)
-        results, tally.totals, self.judgment.measured = self.comm.publish(mine, kept, "judging the devices set aside")
+        results, totals, self.judgment.measured = self.comm.publish(mine, kept, "judging the devices set aside")
+        tally.take(totals)
         self._shared_at = self.taken
         return results
 
@@ -151,7 +152,8 @@ class SetAside:
             return
         kept, tally = self.judgment.kept, self.balancer.tally
         mine = (tally.totals, self.judgment.measured) if self.comm.rank == kept else None
-        tally.totals, self.judgment.measured = self.comm.share(mine, kept, "judging the devices set aside")
+        totals, self.judgment.measured = self.comm.share(mine, kept, "judging the devices set aside")
+        tally.take(totals)
 
     def epoch_ends(self, epoch: int) -> None:
         """The trial's verdict (:meth:`epoch_ending` shared what it reads): the ranks set aside come back when

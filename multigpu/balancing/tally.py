@@ -42,6 +42,11 @@ class EpochTally:
         if first_use:
             self._count(self._first, rec)
 
+    def take(self, totals: dict) -> None:
+        """The epoch's totals as another rank counted them (the rank left, while the others are set aside), on every
+        rank alike: its first uses are in them, not told apart (:meth:`steady` is the totals here)."""
+        self.totals, self._first = totals, self._empty()
+
     def steady(self) -> dict:
         """The totals without the steps that paid a first use: what the devices run at sizes they ran before (the
         judgment of the devices that pay compares these, together and alone, where a new size's trace can take
