@@ -7,13 +7,17 @@ machines where devices slow each other down), so only measured throughput
 tells the truth.
 """
 
+import math
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from multigpu.balancing.costs import expected_max, suggest
 from multigpu.balancing.search import ShareSearch, StepCosts, Window
+from multigpu.balancing.tally import StepsWindow
+from multigpu.balancing.timing import StepRecord
 from multigpu.planning.shares import capped_split
 
 
@@ -293,6 +297,51 @@ def test_windows_at_one_share_fit_nothing():
     for _ in range(5):
         costs.add(Window((0.7, 0.3), 400, 1.0, (0.9, 1.0), (280, 120)))
     assert costs.fit() is None
+
+
+def test_the_expected_slowest_of_two_varying_devices_is_clarks():
+    """Two devices whose steps vary as much and take as long on average: a step waits for the slower of
+    the two, on average one deviation over pi's square root later than either mean; without variation, the max."""
+    assert expected_max([0.04, 0.04], [0.003, 0.003]) == pytest.approx(0.04 + 0.003 / math.sqrt(math.pi),
+                                                                     rel=1e-9)
+    assert expected_max([0.04, 0.03], [0.0, 0.0]) == 0.04
+    rng = random.Random(0)
+    means, jitter = [0.040, 0.038, 0.035], [0.002, 0.004, 0.006]
+    sampled = sum(max(rng.gauss(m, s) for m, s in zip(means, jitter)) for _ in range(40000)) / 40000
+    assert expected_max(means, jitter) == pytest.approx(sampled, rel=0.005)  # three: pairwise, near enough
+
+
+def test_a_device_whose_steps_vary_gets_fewer_rows_than_the_balance_of_their_means():
+    """TensorFlow's MLP at batch 512 on ``cpu:0`` and ``cpu:1@0.5`` (2026-12-07, steps at 366 + 146 and 384 +
+    128 rows): the throttled device's step varies by 4.5 ms, the other's by 2.8 ms, and its time grows ten
+    times faster with its rows.  The means balance at 146 rows, where it is the slowest in half the steps
+    (the steps' slowest compute 42.3 ms); at 128 rows it was the slowest in one step in ten (40.9 ms), and
+    3:1 ran faster than 2.5:1 in every round of ``bench_fresh_auto.py``.  The expected step calls for those."""
+    fitted = [(0.0403 - 2.7e-5 * 366, 2.7e-5), (0.0402 - 2.8e-4 * 146, 2.8e-4)]
+
+    def rows(ratios):
+        return capped_split(512, ratios)
+
+    costs = StepCosts(512)
+    now = [366, 146]
+    _, means_only, _ = suggest(now, [9000.0, 3600.0], fitted, costs, rows)
+    assert abs(rows(means_only)[1] - 146) <= 1
+    pair, proposal, imbalance = suggest(now, [9000.0, 3600.0], fitted, costs, rows, (0.0028, 0.0045))
+    assert 116 <= rows(proposal)[1] <= 132, rows(proposal)
+    assert imbalance > 1.02  # the step expected at 146 rows is over 2% longer
+    assert pair == (1, 0)  # probes start from the device that varies more
+    # proportional speeds (no fit yet): the device that varies more still gets fewer rows than its speed says
+    _, by_speed, _ = suggest(now, [9000.0, 3600.0], None, costs, rows, (0.0028, 0.0045))
+    assert rows(by_speed)[1] < rows([9000.0, 3600.0])[1]
+
+
+def test_a_window_holds_each_devices_step_to_step_deviation():
+    w = StepsWindow()
+    for c1 in (0.030, 0.050, 0.040, 0.040):
+        w.add(StepRecord(wall=(0.06, 0.06), step=(0.05, 0.05), compute=(0.040, c1), samples=(384, 128)))
+    window = w.window((0.75, 0.25))
+    assert window.jitter == pytest.approx((0.0, math.sqrt(0.00005)), abs=1e-9)
+    assert window.local == (4 * 384, 4 * 128) and window.compute == pytest.approx((0.16, 0.16))
 
 
 def test_a_slow_device_with_a_large_fixed_cost_per_step_gets_fewer_rows_than_its_speed_says():

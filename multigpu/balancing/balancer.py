@@ -26,7 +26,7 @@ from multigpu.balancing.advice import Advice, describe_shares
 from multigpu.balancing.options import BalanceOptions
 from multigpu.balancing.parking import Parking
 from multigpu.balancing.profiles import ProfileError, default_profile_path, profile_key, read_profile, write_profile
-from multigpu.balancing.search import ShareSearch, Window
+from multigpu.balancing.search import ShareSearch
 from multigpu.balancing.tally import EpochTally, SizesRun, StepsWindow
 from multigpu.balancing.timing import StepRecord, format_report
 from multigpu.balancing.windows import Event
@@ -352,7 +352,7 @@ class LoadBalancer:
         if w.steps < WINDOW_STEPS * factor or w.seconds < WINDOW_SECONDS * factor:
             return
         self._window = StepsWindow()
-        window = Window(tuple(self.search.ratios), w.samples, w.seconds, tuple(w.compute), tuple(w.local))
+        window = w.window(tuple(self.search.ratios))
         before = list(self.ratios)
         events = self.search.observe(window)
         self.speeds = window.speeds() or self.speeds

@@ -1,14 +1,15 @@
-"""Each device's compute time per step as a fixed part plus a part per row, fitted to measured windows."""
+"""Each device's compute time per step as a fixed part plus a part per row, fitted to measured windows; the
+step's expected time where the devices' steps vary (:func:`expected_max`)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
 from multigpu.balancing.windows import Window, normalize
-from multigpu.planning.shares import predicted_step_time
 
-__all__ = ["StepCosts", "suggest"]
+__all__ = ["StepCosts", "expected_max", "suggest"]
 
 
 class StepCosts:
@@ -106,9 +107,34 @@ class StepCosts:
         return normalize(rows)
 
 
+def expected_max(means: Sequence[float], jitter: Sequence[float]) -> float:
+    """The expected slowest of independent normal times (means and standard deviations, seconds): Clark's
+    moments of the maximum of two normals, taken pairwise (C. E. Clark, Operations Research 9(2), 1961)."""
+    mean, var = means[0], jitter[0] ** 2
+    for m, s in zip(means[1:], jitter[1:]):
+        theta = math.sqrt(var + s * s)
+        if theta <= 0:
+            mean, var = max(mean, m), 0.0
+            continue
+        a = (mean - m) / theta
+        cdf, pdf = 0.5 * (1 + math.erf(a / math.sqrt(2))), math.exp(-a * a / 2) / math.sqrt(2 * math.pi)
+        first = mean * cdf + m * (1 - cdf) + theta * pdf
+        second = (mean * mean + var) * cdf + (m * m + s * s) * (1 - cdf) + (mean + m) * theta * pdf
+        mean, var = first, max(0.0, second - first * first)
+    return mean
+
+
 def suggest(now: list[int], speeds: Sequence[float], fitted: list[tuple[float, float]] | None, costs: StepCosts,
-            rows: Callable[[Sequence[float]], list[int]]) -> tuple[tuple[int, int] | None, tuple[float, ...], float]:
+            rows: Callable[[Sequence[float]], list[int]], jitter: Sequence[float] = ()
+            ) -> tuple[tuple[int, int] | None, tuple[float, ...], float]:
     """From the compute times at the current rows: the move they suggest, the shares they call for, the imbalance.
+
+    Where the devices' steps vary (``jitter``), a step lasts as long as its slowest device *in that step*: shares
+    that balance the mean times leave each device the slowest half of the time, and the step's expected time
+    is above either mean.  The shares called for are then those of the shortest expected step
+    (:func:`expected_max`), from the balance of the means by moves of fewer rows each time: a device whose steps
+    vary more, or whose time grows faster with its rows, gets fewer rows than the balance of the means gives it,
+    and waits at most steps.  Its jitter is taken as it is at the current rows.
 
     Args:
         now: each device's rows per step.
@@ -116,22 +142,52 @@ def suggest(now: list[int], speeds: Sequence[float], fitted: list[tuple[float, f
         fitted: each device's ``(fixed, per_row)`` seconds (:meth:`StepCosts.fit`), or None.
         costs: the fit (for :meth:`StepCosts.best_ratios`).
         rows: shares as rows of a global batch.
+        jitter: each device's standard deviation of a step's compute seconds (:meth:`Window.jitter
+            <multigpu.balancing.windows.Window>`), or empty: the means alone.
 
     Returns:
         ``(from the busiest device, to the least busy)`` (None when one device is both), the shares they call
         for, and the step time at ``now`` over the step time at those shares.
     """
-    if fitted is not None:
-        load = [c + k * b for b, (c, k) in zip(now, fitted)]
-        proposal = costs.best_ratios(fitted)
-        best = StepCosts.step_time(rows(proposal), fitted)
-        now_time = StepCosts.step_time(now, fitted)
+    parts = fitted if fitted is not None else [(0.0, 1.0 / s) for s in speeds]
+    proposal = costs.best_ratios(fitted) if fitted is not None else normalize(speeds)
+    load = [c + k * b for b, (c, k) in zip(now, parts)]
+    if len(jitter) == len(parts) and any(j > 0 for j in jitter):
+        def step(shares: Sequence[int]) -> float:
+            on = [i for i, b in enumerate(shares) if b]
+            return expected_max([parts[i][0] + parts[i][1] * shares[i] for i in on], [jitter[i] for i in on])
+
+        proposal = _shortest(proposal, step, rows, costs.batch_size)
+        load = [t + j for t, j in zip(load, jitter)]
     else:
-        load = [b / s for b, s in zip(now, speeds)]
-        proposal = normalize(speeds)
-        best = predicted_step_time(rows(proposal), speeds)
-        now_time = predicted_step_time(now, speeds)
+        def step(shares: Sequence[int]) -> float:
+            return StepCosts.step_time(shares, parts)
+    best, now_time = step(rows(proposal)), step(now)
     src = max(range(len(load)), key=lambda r: (load[r], -r))
     dst = min(range(len(load)), key=lambda r: (load[r], r))
     imbalance = now_time / best if best > 0 else 1.0
     return ((src, dst) if src != dst else None), tuple(proposal), imbalance
+
+
+def _shortest(start: Sequence[float], step: Callable[[Sequence[int]], float],
+              rows: Callable[[Sequence[float]], list[int]], batch: int) -> tuple[float, ...]:
+    """The shares nearest ``start`` where no move of a part of the batch between two devices shortens ``step``,
+    by moves of 1/16 of the batch, then halves, down to one row."""
+    best, time = tuple(start), step(rows(start))
+    n, unit = len(start), 1 / 16
+    while unit * batch >= 1:
+        moved = True
+        while moved:
+            moved = False
+            for a in range(n):
+                for b in range(n):
+                    if a == b or best[a] < unit:
+                        continue
+                    trial = list(best)
+                    trial[a] -= unit
+                    trial[b] += unit
+                    t = step(rows(trial))
+                    if t < time * (1 - 1e-9):
+                        best, time, moved = tuple(trial), t, True
+        unit /= 2
+    return normalize(best)

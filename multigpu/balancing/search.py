@@ -180,7 +180,10 @@ class ShareSearch(Settling):
         if self._speeds is None:
             return None, None, 1.0
         fitted = self._costs.fit() if self.fixed_costs else None
-        return suggest(self.shares(self.base), self._speeds, fitted, self._costs, self.shares)
+        return suggest(self.shares(self.base), self._speeds, fitted, self._costs, self.shares, self._jitter())
+
+    def _jitter(self) -> tuple[float, ...]:  # each device's step-to-step deviation in the last window, as its speeds
+        return self._window.jitter if self._window is not None else ()
 
     # ---------------------------------------------------------- decisions
     def observe(self, window: Window) -> list[Event]:

@@ -139,7 +139,7 @@ class Settling:
             return capped_split(self.batch_size, ratios, self.caps)
 
         now = self.shares(self.base)  # (within a grid step, each device's time per row at its rows now)
-        _, proposal, imbalance = suggest(now, self._speeds, None, self._costs, rows)
+        _, proposal, imbalance = suggest(now, self._speeds, None, self._costs, rows, self._jitter())
         target = rows(proposal)
         if (imbalance < 1 + self.tuning.off_grid_gain or target == now
                 or max(abs(a - b) for a, b in zip(target, now)) >= self.quantum or not self._speeds_hold(now)):

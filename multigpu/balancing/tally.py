@@ -7,9 +7,11 @@ are the same.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from multigpu.balancing.timing import StepRecord
+from multigpu.balancing.windows import Window
 
 __all__ = ["EpochTally", "SizesRun", "StepsWindow"]
 
@@ -96,17 +98,27 @@ class StepsWindow:
     samples: int = 0
     compute: list[float] = field(default_factory=list)
     local: list[int] = field(default_factory=list)
+    squares: list[float] = field(default_factory=list)  # per rank, the sum of its steps' squared compute seconds
 
     def add(self, rec: StepRecord) -> None:
         """Counts one step: its wall time (the slowest rank's), samples, and each rank's compute and rows."""
         if not self.compute:
-            self.compute, self.local = [0.0] * len(rec.samples), [0] * len(rec.samples)
+            n = len(rec.samples)
+            self.compute, self.local, self.squares = [0.0] * n, [0] * n, [0.0] * n
         self.steps += 1
         self.seconds += max(rec.wall)
         self.samples += sum(rec.samples)
         for r, (c, n) in enumerate(zip(rec.compute, rec.samples)):
             self.compute[r] += c
             self.local[r] += n
+            self.squares[r] += c * c
+
+    def window(self, ratios: tuple[float, ...]) -> Window:
+        """The steps as a window of the share search, with each rank's step-to-step standard deviation."""
+        k = self.steps
+        jitter = tuple(math.sqrt(max(0.0, q / k - (c / k) ** 2)) if k > 1 else 0.0
+                       for c, q in zip(self.compute, self.squares))
+        return Window(ratios, self.samples, self.seconds, tuple(self.compute), tuple(self.local), jitter)
 
 
 class SizesRun:

@@ -23,6 +23,7 @@ class Window:
         seconds: wall time of the window (the slowest rank's view).
         compute: per device, seconds spent computing (not waiting).
         local: per device, samples processed.
+        jitter: per device, the standard deviation of one step's compute seconds (empty: not measured).
     """
 
     ratios: tuple[float, ...]
@@ -30,6 +31,7 @@ class Window:
     seconds: float
     compute: tuple[float, ...]
     local: tuple[int, ...]
+    jitter: tuple[float, ...] = ()
 
     @property
     def throughput(self) -> float:
