@@ -134,7 +134,7 @@ def suggest(now: list[int], speeds: Sequence[float], fitted: list[tuple[float, f
     is above either mean.  The shares called for are then those of the shortest expected step
     (:func:`expected_max`), from the balance of the means by moves of fewer rows each time: a device whose steps
     vary more, or whose time grows faster with its rows, gets fewer rows than the balance of the means gives it,
-    and waits at most steps.  Its jitter is taken as it is at the current rows.
+    and waits at most steps.  The jitter is the last window's, like the speeds, and taken as the same at any rows.
 
     Args:
         now: each device's rows per step.
