@@ -67,6 +67,23 @@ class StepCosts:
                 return False
         return True
 
+    def between(self, now: Sequence[int], target: Sequence[int], tolerance: float = 2.0) -> bool:
+        """Whether ``target`` rows lie within the rows measured (each device's range: the fit interpolates) and no
+        measured rows but ``now``'s lie on the way from ``now`` to ``target``, ``target`` included (``tolerance``
+        rows in all off the straight way): throughput judged every measured share other than the kept ones no
+        better, so the best lies short of the nearest of them."""
+        points = [tuple(round(r) for r in rows) for rows in self._points]
+        if not points or any(not min(p[r] for p in points) <= t <= max(p[r] for p in points)
+                             for r, t in enumerate(target)):
+            return False
+
+        def apart(a: Sequence[float], b: Sequence[float]) -> float:
+            return sum(abs(x - y) for x, y in zip(a, b))
+
+        span = apart(now, target)
+        return not any(apart(now, p) > tolerance and apart(now, p) + apart(p, target) <= span + tolerance
+                       for p in points)
+
     def fit(self) -> list[tuple[float, float]] | None:
         """Per device ``(fixed seconds, seconds per row)``, or None until the windows span enough shares."""
         if len(self._points) < 3:

@@ -2,7 +2,10 @@
 
 The search settles when no move of one sample or more pays, after
 ``patience`` moves in a row were undone, or when the run's steps for it are
-spent (:meth:`Settling.time_up`).  Throughput may not have told the kept
+spent (:meth:`Settling.time_up`): then, where the step costs fitted to the
+shares measured call for shares between the kept ones and the nearest
+measured beyond them, it settles there (:meth:`Settling._interpolate`).
+Throughput may not have told the kept
 shares from moves toward the balance the compute speeds call for (on a noisy
 machine, shares 4 points apart measure within the windows' noise): it then
 settles at the measured shares nearest that balance whose windows were within
@@ -72,7 +75,35 @@ class Settling:
             balanced = self._balance_unjudged(steps)
             if balanced:
                 return balanced
-        return events + self._settle(f"after {steps} steps the search stops moving")
+        return events + (self._interpolate(steps) or self._settle(f"after {steps} steps the search stops moving"))
+
+    def _interpolate(self, steps: int) -> list[Event]:
+        """Time is up with each device's step cost fitted (:class:`~multigpu.balancing.costs.StepCosts`: three
+        shares or more measured, the opening scan's among them): where the fit's shortest expected step lies
+        between the kept shares and the nearest shares measured that way, and is ``fit_gain`` shorter than at
+        the kept ones, the search settles there.  Throughput judged every other measured share no better than
+        the kept ones, so the best lies short of the nearest of them; the costs say where within that gap,
+        which the search had no steps left to probe.  Issue 65's MLP on torch: the scan's point 10% of the
+        batch toward the fast device (79%/21%) beat the calibrated 69%/31% and was kept at time up, past the
+        75%/25% that ran fastest of the fixed ratios."""
+        if not self.fixed_costs or self._speeds is None:
+            return []
+        fitted = self._costs.fit()
+        if fitted is None:
+            return []
+        now = self.shares(self.base)
+        _, proposal, imbalance = suggest(now, self._speeds, fitted, self._costs, self.shares, self._jitter())
+        target = self.shares(proposal)
+        if imbalance < 1 + self.tuning.fit_gain or target == now or not self._costs.between(now, target):
+            return []
+        old = self.base
+        self.base = self.ratios = tuple(proposal)
+        self.changes += 1
+        self.settle_as_found()  # watched from its first windows on
+        return [Event("settle", tuple(old), tuple(proposal), 0.0, 0.0,
+                      f"after {steps} steps the search stops moving; the step costs fitted to the shares measured "
+                      f"call for {_describe(proposal)}, short of the nearest shares measured beyond them (a step "
+                      f"{1 - 1 / imbalance:.1%} shorter than at {_describe(old)}): settled there")]
 
     def _balance_unjudged(self, steps: int) -> list[Event]:
         """Time is up and no window judged any move (a short fit of long steps: its windows last 1.5 s): where

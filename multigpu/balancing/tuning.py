@@ -44,6 +44,9 @@ class Tuning:
         off_grid_gain: settled on a grid of sizes, the search takes the speeds' balance between two of its
             sizes where the speeds say it shortens the step by at least this fraction (one size more, never
             probed: its gain is below what a window can tell).
+        fit_gain: when the search's steps are spent, it settles at the fitted step costs' best shares between
+            the kept ones and the nearest measured beyond them where those shorten the expected step by at
+            least this fraction (:meth:`~multigpu.balancing.settling.Settling._interpolate`).
     """
 
     quiet_noise: float = 0.015
@@ -67,3 +70,4 @@ class Tuning:
     tie_noise: float = 1.0
     away_imbalance: float = 0.05
     off_grid_gain: float = 0.01
+    fit_gain: float = 0.02
