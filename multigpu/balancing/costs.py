@@ -70,8 +70,8 @@ class StepCosts:
     def between(self, now: Sequence[int], target: Sequence[int], tolerance: float = 2.0) -> bool:
         """Whether ``target`` rows lie within the rows measured (each device's range: the fit interpolates) and no
         measured rows but ``now``'s lie on the way from ``now`` to ``target``, ``target`` included (``tolerance``
-        rows in all off the straight way): throughput judged every measured share other than the kept ones no
-        better, so the best lies short of the nearest of them."""
+        rows in all off the straight way): throughput judged no measured share better than the kept ones, so the
+        best lies short of the nearest of them."""
         points = [tuple(round(r) for r in rows) for rows in self._points]
         if not points or any(not min(p[r] for p in points) <= t <= max(p[r] for p in points)
                              for r, t in enumerate(target)):
