@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from multigpu.balancing.costs import suggest
 from multigpu.balancing.windows import Event
@@ -81,29 +81,22 @@ class Settling:
         """Time is up with each device's step cost fitted (:class:`~multigpu.balancing.costs.StepCosts`: three
         shares or more measured, the opening scan's among them): where the fit's shortest expected step lies
         between the kept shares and the nearest shares measured that way, and is ``fit_gain`` shorter than at
-        the kept ones, the search settles there.  Throughput judged every other measured share no better than
-        the kept ones, so the best lies short of the nearest of them; the costs say where within that gap,
+        the kept ones, the search settles there.  Throughput judged no other measured share better than the kept
+        ones, so the best lies short of the nearest of them; the costs say where within that gap,
         which the search had no steps left to probe.  Issue 65's MLP on torch: the scan's point 10% of the
         batch toward the fast device (79%/21%) beat the calibrated 69%/31% and was kept at time up, past the
         75%/25% that ran fastest of the fixed ratios."""
-        if not self.fixed_costs or self._speeds is None:
+        if not self.fixed_costs or self._costs.fit() is None:
             return []
-        fitted = self._costs.fit()
-        if fitted is None:
-            return []
+        _, proposal, imbalance = self._model()
         now = self.shares(self.base)
-        _, proposal, imbalance = suggest(now, self._speeds, fitted, self._costs, self.shares, self._jitter())
-        target = self.shares(proposal)
-        if imbalance < 1 + self.tuning.fit_gain or target == now or not self._costs.between(now, target):
+        if (proposal is None or imbalance < 1 + self.tuning.fit_gain or self.shares(proposal) == now
+                or not self._costs.between(now, self.shares(proposal))):
             return []
-        old = self.base
-        self.base = self.ratios = tuple(proposal)
-        self.changes += 1
-        self.settle_as_found()  # watched from its first windows on
-        return [Event("settle", tuple(old), tuple(proposal), 0.0, 0.0,
-                      f"after {steps} steps the search stops moving; the step costs fitted to the shares measured "
-                      f"call for {_describe(proposal)}, short of the nearest shares measured beyond them (a step "
-                      f"{1 - 1 / imbalance:.1%} shorter than at {_describe(old)}): settled there")]
+        return self._settle_at(proposal, lambda old: (
+            f"after {steps} steps the search stops moving; the step costs fitted to the shares measured call for "
+            f"{_describe(proposal)}, short of the nearest shares measured beyond them (a step "
+            f"{1 - 1 / imbalance:.1%} shorter than at {old}): settled there"))
 
     def _balance_unjudged(self, steps: int) -> list[Event]:
         """Time is up and no window judged any move (a short fit of long steps: its windows last 1.5 s): where
@@ -115,13 +108,18 @@ class Settling:
         if (proposal is None or imbalance < 1 + self.tuning.jump_imbalance
                 or self.shares(proposal) == self.shares(self.base)):
             return []
+        return self._settle_at(proposal, lambda old: (
+            f"after {steps} steps no window could judge a move: settled at the shares the compute speeds call "
+            f"for, {imbalance:.2f}x out of balance at {old}"))
+
+    def _settle_at(self, proposal: Sequence[float], why: Callable[[str], str]) -> list[Event]:
+        """Settles at ``proposal``, which no window measured (time is up), watched from its first windows on;
+        ``why`` says why, given the kept shares it leaves."""
         old = self.base
         self.base = self.ratios = tuple(proposal)
         self.changes += 1
-        self.settle_as_found()  # watched from its first windows on
-        return [Event("settle", tuple(old), tuple(proposal), 0.0, 0.0,
-                      f"after {steps} steps no window could judge a move: settled at the shares the compute speeds "
-                      f"call for, {imbalance:.2f}x out of balance at {_describe(old)}")]
+        self.settle_as_found()
+        return [Event("settle", tuple(old), tuple(proposal), 0.0, 0.0, why(_describe(old)))]
 
     def settle_as_found(self) -> None:
         """Starts settled at the given shares (found by an earlier search at another batch size): no scan, no
