@@ -1,6 +1,7 @@
 """One run of ``bench_fresh_auto.py``: an outside model trained as a user would, in a plain script.
 
     python benchmarks/_fresh_auto.py OUT.json --profile NEW.json --ratios auto|2,1|equal [--model convnet ...]
+    python benchmarks/_fresh_auto.py OUT.json --profile NEW.json --model wide --no-rebalance   # calibrated, kept
 
 ``python script.py`` with ``devices=["cpu:0", "cpu:1@0.5"]``: the script re-runs itself once per
 device.  Rank 0 writes the end time of every training step, per epoch, and the shares at the end.
@@ -52,13 +53,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--model", default="convnet", choices=sorted(BUILDERS))
     p.add_argument("--profile", required=True, help="a profile file that does not exist yet (a fresh profile)")
+    p.add_argument("--no-rebalance", action="store_true",
+                   help="with --ratios auto: calibrate, then keep the calibrated shares (rebalance=False)")
     a = p.parse_args()
     if a.ratios in ("auto", "equal"):
         ratios = "auto" if a.ratios == "auto" else [1, 1]
     else:
         ratios = [float(v) for v in a.ratios.split(",")]
     keras.utils.set_random_seed(0)
-    model = multigpu.parallelize(BUILDERS[a.model](), devices=a.devices.split(","), ratios=ratios, profile=a.profile)
+    extra = {"rebalance": False} if a.no_rebalance else {}
+    model = multigpu.parallelize(BUILDERS[a.model](), devices=a.devices.split(","), ratios=ratios, profile=a.profile,
+                                 **extra)
     model.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
@@ -71,6 +76,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({
             "ratios": a.ratios, "batch": a.batch, "steps": [list(np.diff(e)) for e in ends.epochs],
             "samples_per_second": a.batch * (len(last) - 1) / (last[-1] - last[0]),
+            "epochs_samples_per_second": [a.batch * (len(e) - 1) / (e[-1] - e[0]) for e in ends.epochs],
             "shares": multigpu.state(model).shares(a.batch), "shares_by_step": ends.shares}))
 
 
