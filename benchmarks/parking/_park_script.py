@@ -28,6 +28,14 @@ mode, name, width, batch, steps, epochs, out = (sys.argv[1], sys.argv[2], float(
 second = sys.argv[8] if len(sys.argv) > 8 else "cpu:1"
 first = sys.argv[9] if len(sys.argv) > 9 else "cpu:0"
 third = sys.argv[10:11]
+if mode == "single" and keras.backend.backend() == "tensorflow":
+    # TensorFlow's pools sized to the one core bench_park.py pins it to, as multigpu's ranks and
+    # bench_overhead.py's single size theirs (plain Keras on the MLP at batch 64 ran 7,800 to 17,100 samples/s
+    # with them and 8,000 to 17,000 without, from round to round: the machine, not the pools).
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
 spec = get_model(name)
 keras.utils.set_random_seed(0)
 x, y = spec.data(batch * steps, 0)
