@@ -45,6 +45,16 @@ def test_throttled_rank_ends_with_the_smaller_share_and_the_profile_is_reused(ru
     assert runner.leftovers() == []
 
 
+def assert_batch_logs_are_one_devices(got: list, reference: list) -> None:
+    """Rank 0's per-batch logs (its progress bar, its batch callbacks), also while it is set aside: one device's at
+    that step or a later one of the same epoch (the device left's, relayed as it trains), never the last ones it
+    took itself before."""
+    assert [b[:3] for b in got] == [b[:3] for b in reference]
+    for fit, epoch, batch, loss, accuracy in got:
+        later = [b[3:] for b in reference if b[:2] == [fit, epoch] and b[2] >= batch]
+        assert any(np.allclose([loss, accuracy], want, rtol=1e-5) for want in later), (fit, epoch, batch, loss)
+
+
 @pytest.mark.parametrize(("backend", "kept", "remeasure"), [
     ("torch", 0, False), ("tensorflow", 0, False), ("jax", 0, False), ("torch", 1, False), ("tensorflow", 1, False),
     ("jax", 1, False), ("torch", 0, True), ("tensorflow", 1, True), ("tensorflow", 0, True), ("torch", 1, True),
@@ -95,10 +105,11 @@ def test_a_device_set_aside_and_taken_back_leaves_the_result_one_devices(runner,
     for k, want in wanted.items():
         assert np.max(np.abs(saved[k] - want)) <= 1e-5 * max(np.max(np.abs(want)), 1e-30), k
     got = json.loads(out.read_text())
-    reference = json.loads((runner.tmp_path / "one.json").read_text())["histories"]
-    for fit, fit_reference in zip(got["histories"], reference):
+    reference = json.loads((runner.tmp_path / "one.json").read_text())
+    for fit, fit_reference in zip(got["histories"], reference["histories"]):
         for key, values in fit_reference.items():
             np.testing.assert_allclose(fit[key], values, rtol=1e-5, err_msg=key)
+    assert_batch_logs_are_one_devices(got["batches"], reference["batches"])
     for report in got["reports"]:  # each fit's last epoch: the device set aside had no rows, no time summing
         left, parked = report["devices"][kept], report["devices"][aside]
         assert parked["share"] == 0.0 and parked["samples"] == 0 and left["samples"] > 0, report
@@ -151,10 +162,11 @@ def test_devices_left_together_sum_among_themselves_and_the_result_stays_one_dev
     for epoch, (got_weights, want) in enumerate(zip(seen, reference)):
         assert np.max(np.abs(got_weights - want)) <= tol * np.max(np.abs(want)), epoch
     got = json.loads(out.read_text())
-    reference = json.loads((runner.tmp_path / "one.json").read_text())["histories"]
-    for fit, fit_reference in zip(got["histories"], reference):
+    reference = json.loads((runner.tmp_path / "one.json").read_text())
+    for fit, fit_reference in zip(got["histories"], reference["histories"]):
         for key, values in fit_reference.items():
             np.testing.assert_allclose(fit[key], values, rtol=1e-5, err_msg=key)
+    assert_batch_logs_are_one_devices(got["batches"], reference["batches"])
     for report in got["reports"]:  # each fit's last epoch: no rows on the device set aside, both left computed
         assert report["devices"][aside]["share"] == 0.0 and report["devices"][aside]["samples"] == 0, report
         assert all(report["devices"][r]["samples"] > 0 for r in left), report

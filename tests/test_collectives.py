@@ -92,6 +92,7 @@ def test_every_comm_does_the_same_on_a_real_run(runner, backend):
         assert got["shared"] == {"from": 1}
         assert got["published"] == [{"from": 0, "n": 0}, {"from": 1, "n": 1}, {"from": 0, "n": 2}]
         assert got.get("store_left", []) == []
+        assert got["peek_before"] is None and got["peeked"] == {"n": 2, "a": [0.0, 1.0]}
         assert got["check_same"] == ("The ranks received different data: the number of rows differ (rank 0: 100, "
                                      "rank 1: 101). Every rank must see the same data (build or load it the same "
                                      "way on every rank).")

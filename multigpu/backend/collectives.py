@@ -102,6 +102,13 @@ class Group(Protocol):
         """Rank ``src``'s ``obj`` on every rank, where the engine allows without ``src`` waiting for the others
         (JAX: the coordination service's store; else :meth:`share`)."""
 
+    def post(self, key: str, obj: Any) -> None:
+        """Leaves ``obj`` (picklable) under ``key`` in the run's store, the newest replacing the one before,
+        waiting for no rank (torch.distributed's store, JAX's coordination service)."""
+
+    def peek(self, key: str) -> Any:
+        """The newest object :meth:`post` left under ``key`` by any rank, or None where none was yet (no wait)."""
+
 
 @runtime_checkable
 class ElasticGroup(Group, Protocol):

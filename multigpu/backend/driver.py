@@ -36,7 +36,8 @@ peer an exception stands for, once unwrapped from the framework's error),
 plan)``.  No backend catches a lost peer or an out-of-memory step itself.
 
 5. **devices set aside** (:mod:`multigpu.backend.parking`): a rank set aside
-   takes the plan and returns its last logs; a rank left sums over the ranks
+   takes the plan and returns its last logs (the leader: the rank left's of
+   the same step); a rank left sums over the ranks
    left only (a batch planned before the move, with rows for them, is
    stepped on by every rank together).
 """
@@ -85,8 +86,7 @@ class StepDriver:
             rows = batch_rows(keras.utils.unpack_x_y_sample_weight(data)[0])
         plan = balancer.planner.take(rows)
         if self.aside.here and not plan.local:
-            self.aside.taken += 1
-            return steps.stand_still(self.aside.logs)  # set aside: no rows, no sum (multigpu.backend.parking)
+            return self.aside.stand_still()  # set aside: no rows, no sum (multigpu.backend.parking)
         if balancer.lost and any(plan.sizes[r] for r in balancer.lost):
             data, plan = recovery.cut_again(plan)  # planned ahead of a loss (a DataLoader draws a few batches ahead)
             data = self.batch(data)

@@ -12,8 +12,11 @@ moves, at epoch boundaries, where every rank runs the same hooks
   on (:meth:`SetAside.epoch_results`; summed over every rank where a step
   was taken by every rank this epoch);
 * **a step** (:meth:`SetAside.step`): a rank set aside takes the step's plan
-  and returns its last logs (its per-batch logs stand still while it is
-  aside; the epoch's are global); a rank left sums over the ranks left only,
+  and returns its last logs; the leader set aside (whose progress bar and
+  callbacks the user sees) returns the rank left's instead, as it trains
+  (:class:`LogsRelay`: the rank left leaves its newest logs in the run's
+  store from a thread of its own, and the leader's step waits for those of
+  its step); the epoch's are global; a rank left sums over the ranks left only,
   which on one rank is no collective (``comm.alone``); a batch planned
   before the move with rows for a rank set aside (an input that draws
   ahead) is stepped on by every rank together, as before;
@@ -33,9 +36,16 @@ moves, at epoch boundaries, where every rank runs the same hooks
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+
+import keras
 import numpy as np
 
-__all__ = ["SetAside", "allowed"]
+__all__ = ["LogsRelay", "SetAside", "allowed"]
+
+_RELAYS = itertools.count()  # one store key per parallel model (made in the same order on every rank)
 
 
 def allowed(steps) -> bool:
@@ -45,6 +55,99 @@ def allowed(steps) -> bool:
     return (steps.can_set_aside() and steps.balancer.options.auto and steps.comm.world_size > 1
             and not steps.parallel.options.sync_batchnorm and getattr(steps.comm, "min_devices", None) is None
             and not getattr(steps.parallel.options, "shard_weights", False))
+
+
+class LogsRelay:
+    """The rank left's per-batch logs to the leader set aside, so that the progress bar and the batch callbacks
+    the user sees move as the training does.
+
+    The rank left offers its logs after each step (:meth:`offer`: no wait); a thread of its own converts the
+    newest to NumPy and posts it in the run's store (``comm.post``), at most every :attr:`INTERVAL` seconds and at
+    once after an epoch's last step (:meth:`flush`), so that the step loses nothing to the store's round trip.
+    The leader's step set aside waits (:meth:`logs_for`) until the logs of its step or a later one are there.
+
+    Args:
+        comm: the run's collectives (``post`` and ``peek``).
+        timeout: how long the leader waits for a step's logs before the run ends (the run's timeout).
+    """
+
+    INTERVAL = 0.01  # seconds between two posts of the rank left (the leader's bar lags the training by as much)
+    POLL = 0.002  # seconds between two looks of the leader (a slow leader spends little of its core on them)
+
+    def __init__(self, comm, timeout: float) -> None:
+        self.comm, self.timeout = comm, timeout
+        self._name = f"aside-logs/{next(_RELAYS)}"
+        self._epochs = 0  # epochs begun (every rank counts them): each has its own key
+        self._newest: tuple | None = None  # (key, index, logs) offered last
+        self._wake, self._now = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: tuple | None = None  # the leader: the newest (index, logs) it read
+
+    @property
+    def key(self) -> str:
+        """Where this epoch's logs go (a rank left that runs into the next epoch does not overwrite them)."""
+        return f"{self._name}/{self._epochs}"
+
+    def epoch_begins(self) -> None:
+        """Every rank, at each epoch's start."""
+        self._epochs += 1
+        self._seen = None
+
+    # ------------------------------------------------------------- the rank left
+    def offer(self, index: int, logs) -> None:
+        """The logs of the step counted ``index`` (any backend's tensors), for the thread to post."""
+        self._newest = (self.key, index, logs)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._post, name="multigpu-logs-relay", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def flush(self) -> None:
+        """The epoch's last step is over: its logs posted without the pause (the leader walks to the epoch's end,
+        where the rank left may wait for it)."""
+        self._now.set()
+        self._wake.set()
+
+    def _post(self) -> None:
+        posted, quiet_until = None, 0.0
+        while True:
+            self._wake.wait()
+            pause = quiet_until - time.monotonic()
+            if pause > 0:
+                self._now.wait(pause)
+            self._wake.clear()
+            self._now.clear()
+            newest = self._newest
+            if newest is None or newest is posted:
+                continue
+            try:
+                self.comm.post(newest[0], (newest[1], _to_numpy(newest[2])))
+            except Exception:  # the run is ending (its store went away): the leader's own wait says so
+                return
+            posted, quiet_until = newest, time.monotonic() + self.INTERVAL
+
+    # ------------------------------------------------------------- the leader set aside
+    def logs_for(self, index: int) -> dict:
+        """The rank left's logs for the step counted ``index``: the first posted at or after it, in this epoch."""
+        deadline = time.monotonic() + self.timeout
+        while self._seen is None or self._seen[0] < index:
+            found = self.comm.peek(self.key)
+            if found is not None and (self._seen is None or found[0] > self._seen[0]):
+                self._seen = found
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the device left sent no logs of step {index} within {self.timeout:g} s")
+            time.sleep(self.POLL)
+        return self._seen[1]
+
+
+def _to_numpy(logs) -> dict:
+    """Logs as Python floats (NumPy arrays where not scalars), off any device."""
+    out = {}
+    for name, value in dict(logs or {}).items():
+        array = keras.ops.convert_to_numpy(value)
+        out[name] = float(array) if np.ndim(array) == 0 else np.asarray(array)
+    return out
 
 
 class SetAside:
@@ -63,6 +166,7 @@ class SetAside:
         self.taken = self._weights_at = self._state_at = 0
         self._together = False  # a step of this epoch was taken by every rank (planned before the move)
         self._shared_at = -1  # ``taken`` when the rank left last shared its epoch (:meth:`epoch_results`)
+        self.relay = LogsRelay(steps.comm, steps.comm.runtime.timeout)  # the rank left's logs to the leader aside
 
     @property
     def comm(self):
@@ -82,9 +186,23 @@ class SetAside:
         """Whether this rank is set aside now."""
         return self.comm.rank in self.judgment.parked
 
+    @property
+    def relaying(self) -> bool:
+        """Whether the leader is set aside: the rank left relays its per-batch logs to it."""
+        return self.judgment.kept is not None and self.comm.leader in self.judgment.parked
+
+    def stand_still(self):
+        """A step of a rank set aside (no rows, no sum): the rank left's logs of the same step on the leader (the
+        progress bar and the batch callbacks the user sees), its own last logs on another rank."""
+        self.taken += 1
+        if self.comm.rank == self.comm.leader and self.relaying:
+            with self.comm.fatal("waiting for the logs of the device left"):
+                return self.steps.stand_still(self.relay.logs_for(self.taken))
+        return self.steps.stand_still(self.steps.logs_in(self.logs))
+
     def step(self, attempt, data, plan):
-        """``attempt(data, plan)`` on a rank left (its sums over the ranks left); on a rank set aside, its last
-        logs."""
+        """``attempt(data, plan)`` on a rank left (its sums over the ranks left), whose logs go to the leader
+        where it is set aside (:class:`LogsRelay`)."""
         parked = self.judgment.parked
         if not parked or any(plan.sizes[r] for r in parked):  # (a batch planned before the move: together)
             self._together = bool(parked)
@@ -100,6 +218,8 @@ class SetAside:
             self.logs = attempt(data, plan)
         finally:
             self.comm.alone, self.comm.among = False, None
+        if self.comm.rank == self.judgment.kept and self.relaying:
+            self.relay.offer(self.taken, self.steps.logs_in(self.logs))
         self.steps.forget_results()  # the epoch's results come from the rank left at its end
         return self.logs
 
@@ -107,6 +227,7 @@ class SetAside:
     def epoch_begins(self, epoch: int) -> None:
         """Sets aside the ranks the judgment named, if any."""
         self._together = False
+        self.relay.epoch_begins()
         judgment = self.judgment
         if not judgment.due:
             return
@@ -131,6 +252,8 @@ class SetAside:
         kept = self.judgment.kept
         if not self.judgment.parked or self._together:
             return None
+        if self.comm.rank == kept and self.relaying:
+            self.relay.flush()  # the epoch's last logs to the leader, which walks on to this epoch's end
         if len(self.judgment.left) > 1:  # the ranks set aside hold zeros: the sum over every rank is the ranks left's
             return None
         tally = self.balancer.tally

@@ -256,20 +256,18 @@ class StepsCore:
         pool = list(self.model.variables)
         if with_optimizers:
             pool += [v for o in optimizers_of(self.model) for v in o.variables]
-        seen: set[int] = set()
-        out = []
-        for v in pool:
-            if id(v) not in seen and id(v) not in metric_ids:
-                seen.add(id(v))
-                out.append(v)
-        return out
+        seen = set(metric_ids)  # (the metrics' variables left out, and each variable taken once)
+        return [v for v in pool if id(v) not in seen and not seen.add(id(v))]
 
     # ------------------------------------------------ devices set aside (multigpu/backend/parking.py)
     def can_set_aside(self) -> bool:  # whether these steps can leave ranks out of their sums (every backend's can)
         return True
 
-    def stand_still(self, logs):  # what a training step set aside returns, from its last ``attempt``'s result
+    def stand_still(self, logs):  # what a training step set aside returns, showing ``logs`` (backend/parking.py)
         return logs
+
+    def logs_in(self, result):  # the logs in what a training ``attempt`` returned
+        return result
 
     def forget_results(self) -> None:
         """The last step's global results forgotten: the next ``get_metrics_result`` sums over every rank."""

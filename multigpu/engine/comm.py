@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -72,10 +73,9 @@ class Comm:
         cuda = runtime.device.is_cuda and not self.host
         self.device = torch.device(f"cuda:{runtime.device.index}") if cuda else torch.device("cpu")
         self._buffers: dict[tuple, torch.Tensor] = {}
-        # A rank that trains with the other ranks set aside (multigpu.balancing.parking): its step's sums are
-        # over itself alone, so they are no collective at all.
+        # Devices set aside (multigpu.backend.parking): the step's sums over this rank alone, no collective at all
+        # (``alone``), or, while more than one rank is left, over those ranks only (``among``; None: every rank).
         self.alone = False
-        # While more than one rank is left, the step's sums are over those ranks only (None: every rank).
         self.among: list[int] | None = None
         self._subgroups: dict[tuple[int, ...], object] = {}  # the process group's own, by ranks (gloo, NCCL)
         self._shm: SharedMemory | None = None
@@ -206,6 +206,15 @@ class Comm:
     def publish(self, obj, src: int, what: str):
         """Rank ``src``'s ``obj`` on every rank of the group (:meth:`share`: here a collective as well)."""
         return self.share(obj, src, what)
+
+    def post(self, key: str, obj) -> None:
+        """``obj`` under ``key`` in the run's store (rank 0 serves it), replacing the one before; no rank waits."""
+        dist.distributed_c10d._get_default_store().set(f"multigpu/board/{key}", pickle.dumps(obj, protocol=5))
+
+    def peek(self, key: str):
+        """The newest object :meth:`post` left under ``key``, or None (no wait)."""
+        store, name = dist.distributed_c10d._get_default_store(), f"multigpu/board/{key}"
+        return pickle.loads(store.get(name)) if store.check([name]) else None
 
     @property
     def _group_backend(self) -> str:
@@ -362,18 +371,12 @@ class Comm:
             got: list = [None] * len(self.members)
             with self.fatal(what):
                 dist.all_gather_object(got, obj)
-            out: list = [None] * self.world_size
-            for r, value in zip(self.members, got):
-                out[r] = value
-            return out
+            return [got[self.members.index(r)] if r in self.members else None for r in range(self.world_size)]
         return self._again_after_loss(call)
 
     def check_same(self, value: int, what: str) -> None:
-        """Raises the same error on every rank when the ranks disagree on ``value``.
-
-        Used for data lengths: ranks that disagree would take different
-        numbers of steps and wait for each other until the timeout.
-        """
+        """Raises the same error on every rank when the ranks disagree on ``value`` (data lengths: ranks that
+        disagree would take different numbers of steps and wait for each other until the timeout)."""
         def call() -> list[int]:
             values = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
             values[self.rank] = int(value)

@@ -42,6 +42,16 @@ if "elastic" in promised:
     seen["share"] = comm.share({"from": rank}, 1, "sharing an object")
 seen["shared"] = comm.share({"from": rank}, 1, "sharing an object")
 seen["published"] = [comm.publish({"from": rank, "n": n}, n % 2, "publishing an object") for n in range(3)]
+# the board: nothing under a key before a post, then the newest post of any rank, on every rank
+seen["peek_before"] = comm.peek("k")
+comm.gather_objects(None)
+if rank == 1:
+    comm.post("k", {"n": 1})
+    comm.post("k", {"n": 2, "a": np.arange(2.0)})
+comm.gather_objects(None)
+found = comm.peek("k")
+seen["peeked"] = {"n": found["n"], "a": found["a"].tolist()}
+comm.gather_objects(None)
 if comm.__module__.startswith("multigpu.backend.jax"):  # each rank took its key from the store and deleted it
     from multigpu.backend.jax.group import coordination_client
 

@@ -8,7 +8,8 @@ MODE ``one``: one device (the reference); ``two``: ``cpu:0`` and ``cpu:1`` with 
 first two left summing among themselves).  Fits at batch 64 for 3 epochs, then at 128 for 2 (the device comes back
 at a larger batch), with validation, Adam (its state in parts where the run shards it) and a metric.  Each rank
 writes its weights to ``OUT.rank<r>.npz`` and the weights it held at each epoch's end (as its callbacks see them) to
-``OUT.rank<r>.epochs.npy``, and rank 0 the histories, each fit's last epoch report and the shares after it to
+``OUT.rank<r>.epochs.npy``, and rank 0 the histories, its per-batch logs (fit, epoch, batch, loss, accuracy: what
+its progress bar shows, also while it is set aside), each fit's last epoch report and the shares after it to
 ``OUT``, and a ``ModelCheckpoint`` at every epoch's end to ``OUT.fit<batch>-epoch<n>.keras``.
 
 ``remeasure``: the first fit runs 5 epochs, and the devices set aside are measured again after one epoch aside
@@ -45,7 +46,7 @@ if mode in ("two", "three"):
     model = multigpu.parallelize(model, devices=devices, ratios="auto")
 model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
-histories, reports, aside, held = [], [], [], []
+histories, reports, aside, held, batches = [], [], [], [], []
 
 
 def seen(epoch, logs):  # the devices set aside in each epoch, as multigpu.state says; the weights callbacks see
@@ -53,7 +54,13 @@ def seen(epoch, logs):  # the devices set aside in each epoch, as multigpu.state
     held.append(np.concatenate([np.ravel(w) for w in model.get_weights()]))
 
 
-watch = keras.callbacks.LambdaCallback(on_epoch_end=seen)
+def shown(batch, logs):  # the per-batch logs, as the progress bar and the batch callbacks see them
+    batches.append([len(histories), current[0], batch, float(logs["loss"]), float(logs["accuracy"])])
+
+
+current = [0]
+watch = keras.callbacks.LambdaCallback(on_epoch_end=seen, on_train_batch_end=shown,
+                                       on_epoch_begin=lambda epoch, logs: current.__setitem__(0, epoch))
 for batch, epochs in ((64, 5 if remeasure else 3), (128, 2)):
     h = model.fit(x[:512], y[:512], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
                   validation_data=(x[512:], y[512:]),
@@ -66,6 +73,6 @@ np.save(f"{out}.rank{rank}.epochs.npy", np.stack(held))
 if rank == 0:
     state = multigpu.state(model) if mode != "one" else None
     with open(out, "w") as f:
-        json.dump({"histories": histories, "reports": reports, "aside": aside,
+        json.dump({"histories": histories, "reports": reports, "aside": aside, "batches": batches,
                    "after": None if state is None else state.aside,
                    "ratios": None if state is None else list(state.ratios)}, f)

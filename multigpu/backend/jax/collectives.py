@@ -259,6 +259,27 @@ class Comm:
             client.key_value_delete(f"{key}/{self.rank}")
             return pickle.loads(data)
 
+    def post(self, key: str, obj) -> None:
+        """Leaves ``obj`` under ``key`` in the coordination service's store (the newest replaces the one before),
+        waiting for no rank."""
+        from multigpu.backend.jax.group import coordination_client
+
+        coordination_client().key_value_set_bytes(f"multigpu/board/{key}",
+                                                  pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
+                                                  allow_overwrite=True)
+
+    def peek(self, key: str):
+        """The newest object :meth:`post` left under ``key``, or None where none was left yet (no wait)."""
+        from multigpu.backend.jax.group import coordination_client
+
+        try:
+            data = coordination_client().key_value_try_get_bytes(f"multigpu/board/{key}")
+        except Exception as exc:  # JAX's own error type, saying NOT_FOUND where nothing was posted yet
+            if "NOT_FOUND" not in str(exc):
+                raise
+            return None
+        return pickle.loads(data)
+
     def check_same(self, value: int, what: str) -> None:
         """Raises the same error on every rank when the ranks disagree on ``value`` (data lengths)."""
         values = np.zeros(self.world_size, dtype=np.int32)

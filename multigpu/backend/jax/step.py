@@ -306,8 +306,11 @@ class JaxSteps(Evaluation, StepsCore):
         return not self.parallel.options.shard_optimizer
 
     def stand_still(self, logs):
-        """A step set aside: the last step's logs, and the state as Keras passed it in (nothing changed)."""
-        return logs[0], self._state
+        """A step set aside: ``logs``, and the state as Keras passed it in (nothing changed)."""
+        return logs, self._state
+
+    def logs_in(self, result):
+        return result[0]  # (logs, state)
 
     def forget_results(self) -> None:
         self._fresh = None

@@ -115,6 +115,12 @@ class Comm:
     def publish(self, obj, src: int, what: str):
         return self.engine.publish(obj, src, what)
 
+    def post(self, key: str, obj) -> None:
+        self.engine.post(key, obj)
+
+    def peek(self, key: str):
+        return self.engine.peek(key)
+
     def take_lost(self) -> PeerLostError | None:
         """The loss a sum met inside a TensorFlow function (where TensorFlow wraps the error), once."""
         lost, self._lost = self._lost, None
