@@ -67,15 +67,15 @@ class LogsRelay:
     The leader's step set aside waits (:meth:`logs_for`) until the logs of its step or a later one are there.
 
     Args:
-        comm: the run's collectives (``post`` and ``peek``).
-        timeout: how long the leader waits for a step's logs before the run ends (the run's timeout).
+        comm: the run's collectives (``post`` and ``peek``; the leader waits for a step's logs for the run's
+            timeout).
     """
 
     INTERVAL = 0.01  # seconds between two posts of the rank left (the leader's bar lags the training by as much)
     POLL = 0.002  # seconds between two looks of the leader (a slow leader spends little of its core on them)
 
-    def __init__(self, comm, timeout: float) -> None:
-        self.comm, self.timeout = comm, timeout
+    def __init__(self, comm) -> None:
+        self.comm = comm
         self._name = f"aside-logs/{next(_RELAYS)}"
         self._epochs = 0  # epochs begun (every rank counts them): each has its own key
         self._newest: tuple | None = None  # (key, index, logs) offered last
@@ -129,14 +129,15 @@ class LogsRelay:
     # ------------------------------------------------------------- the leader set aside
     def logs_for(self, index: int) -> dict:
         """The rank left's logs for the step counted ``index``: the first posted at or after it, in this epoch."""
-        deadline = time.monotonic() + self.timeout
+        timeout = self.comm.runtime.timeout
+        deadline = time.monotonic() + timeout
         while self._seen is None or self._seen[0] < index:
             found = self.comm.peek(self.key)
             if found is not None and (self._seen is None or found[0] > self._seen[0]):
                 self._seen = found
                 continue
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the device left sent no logs of step {index} within {self.timeout:g} s")
+                raise TimeoutError(f"the device left sent no logs of step {index} within {timeout:g} s")
             time.sleep(self.POLL)
         return self._seen[1]
 
@@ -166,7 +167,7 @@ class SetAside:
         self.taken = self._weights_at = self._state_at = 0
         self._together = False  # a step of this epoch was taken by every rank (planned before the move)
         self._shared_at = -1  # ``taken`` when the rank left last shared its epoch (:meth:`epoch_results`)
-        self.relay = LogsRelay(steps.comm, steps.comm.runtime.timeout)  # the rank left's logs to the leader aside
+        self.relay = LogsRelay(steps.comm)  # the rank left's per-batch logs to the leader set aside
 
     @property
     def comm(self):
