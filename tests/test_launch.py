@@ -70,8 +70,12 @@ def torchrun_matches_one_machine(runner, extra_env: dict, through_entry: bool = 
         *entry, str(SCRIPTS / "tiny.py"), "--devices", "auto", "--rows", "50", "--batch", "16",
         "--ratios", "3,1", "--out", "tr",
     ], extra_env) for node in range(2)]
-    for r in [runner.finish(p, timeout=150) for p in nodes]:
+    done = [runner.finish(p, timeout=150) for p in nodes]
+    for r in done:
         assert r.returncode == 0, r.stdout
+    # rank 0 says how the run started (the launcher, its ranks and machines, the rendezvous)
+    said = f"multigpu: started by torchrun: 2 ranks on 2 machine(s), rendezvous at 127.0.0.1:{port}"
+    assert said in done[0].stdout and said not in done[1].stdout, done[0].stdout[-3000:]
     one = runner.cli("run", "--devices", "cpu:0,cpu:1", str(SCRIPTS / "tiny.py"), "--rows", "50", "--batch", "16",
                      "--ratios", "3,1", "--out", "one", timeout=120, extra_env=extra_env)
     assert one.returncode == 0, one.stdout

@@ -195,10 +195,10 @@ def start(devices=None, timeout: float | None = None, say=None) -> Runtime:
 
         backend.facts().warm_up()
         limit_memory(runtime.device.memory)  # after the join: the device's memory is the training's
-        if found is not None and not found.knows_every_device and found.rank == 0:
-            machines = found.world_size // max(1, found.local_size)
-            log.info(f"started by {found.name}: {found.world_size} ranks on {machines} machine(s), "
-                     f"rendezvous at {found.master_addr}:{found.master_port}")
+    if found is not None and not found.knows_every_device and found.rank == 0:
+        machines = found.world_size // max(1, found.local_size)
+        log.info(f"started by {found.name}: {found.world_size} ranks on {machines} machine(s), "
+                 f"rendezvous at {found.master_addr}:{found.master_port}")
     return runtime
 
 
