@@ -256,8 +256,8 @@ class StepsCore:
         pool = list(self.model.variables)
         if with_optimizers:
             pool += [v for o in optimizers_of(self.model) for v in o.variables]
-        seen = set(metric_ids)  # (the metrics' variables left out, and each variable taken once)
-        return [v for v in pool if id(v) not in seen and not seen.add(id(v))]
+        unique = {id(v): v for v in pool if id(v) not in metric_ids}  # each variable once, in order
+        return list(unique.values())
 
     # ------------------------------------------------ devices set aside (multigpu/backend/parking.py)
     def can_set_aside(self) -> bool:  # whether these steps can leave ranks out of their sums (every backend's can)

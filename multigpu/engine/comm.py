@@ -73,8 +73,7 @@ class Comm:
         cuda = runtime.device.is_cuda and not self.host
         self.device = torch.device(f"cuda:{runtime.device.index}") if cuda else torch.device("cpu")
         self._buffers: dict[tuple, torch.Tensor] = {}
-        # Devices set aside (multigpu.backend.parking): the step's sums over this rank alone, no collective at all
-        # (``alone``), or, while more than one rank is left, over those ranks only (``among``; None: every rank).
+        # Devices set aside (backend/parking.py): sums over this rank alone (no collective), or ``among`` the ranks left
         self.alone = False
         self.among: list[int] | None = None
         self._subgroups: dict[tuple[int, ...], object] = {}  # the process group's own, by ranks (gloo, NCCL)
@@ -371,7 +370,8 @@ class Comm:
             got: list = [None] * len(self.members)
             with self.fatal(what):
                 dist.all_gather_object(got, obj)
-            return [got[self.members.index(r)] if r in self.members else None for r in range(self.world_size)]
+            by_rank = dict(zip(self.members, got))
+            return [by_rank.get(r) for r in range(self.world_size)]
         return self._again_after_loss(call)
 
     def check_same(self, value: int, what: str) -> None:
