@@ -280,3 +280,40 @@ def test_bench_advice_names_the_group_that_pays():
     assert line.startswith(f"which devices pay: CPU:0, CPU:1 (CPU:2@0.1 does not): without the rest they would "
                            f"compute about {pair:.0f} samples/s at this batch, at least 1.1x the 1600 the devices ran "
                            "together")
+
+
+class _Board:
+    """A run's store for the logs relay, in-process (``post`` and ``peek``)."""
+
+    def __init__(self) -> None:
+        self.runtime = SimpleNamespace(timeout=5.0)
+        self.board = {}
+
+    def post(self, key, obj) -> None:
+        self.board[key] = obj
+
+    def peek(self, key):
+        return self.board.get(key)
+
+
+def test_the_relay_sends_the_logs_of_a_step_and_names_a_log_it_cannot_send():
+    import threading
+
+    import numpy as np
+
+    from multigpu.backend.parking import LogsRelay
+
+    board = _Board()
+    left, leader = LogsRelay(board), LogsRelay(board)
+    leader._name = left._name  # the same model's relay on two ranks
+    for relay in (left, leader):
+        relay.epoch_begins()
+    left.offer(0, {"loss": np.float32(0.5), "parts": np.arange(3.0)})
+    left.flush()
+    got = leader.logs_for(0)
+    assert got["loss"] == 0.5 and type(got["loss"]) is float and got["parts"].tolist() == [0.0, 1.0, 2.0]
+    # a value the relay cannot copy: the leader's wait names it at once, where it timed out before
+    left.offer(1, {"loss": 0.25, "lock": threading.Lock()})
+    left.flush()
+    with pytest.raises(TypeError, match=r"logs of step 1 could not be sent to rank 0 \(TypeError: .*lock"):
+        leader.logs_for(1)

@@ -124,7 +124,11 @@ class LogsRelay:
             if newest is None or newest is posted:
                 continue
             try:
-                self.comm.post(newest[0], (newest[1], _to_numpy(newest[2])))
+                message = (newest[1], _to_numpy(newest[2]))
+            except Exception as exc:  # a log the relay cannot send: the leader's wait names it instead of timing out
+                message = (newest[1], None, f"{type(exc).__name__}: {exc}")
+            try:
+                self.comm.post(newest[0], message)
             except Exception:  # the run is ending (its store went away): the leader's own wait says so
                 return
             posted, quiet_until = newest, time.monotonic() + self.INTERVAL
@@ -136,6 +140,9 @@ class LogsRelay:
         deadline = time.monotonic() + timeout
         while self._seen is None or self._seen[0] < index:
             found = self.comm.peek(self.key)
+            if found is not None and len(found) == 3:
+                raise TypeError(f"the device left's logs of step {found[0]} could not be sent to rank 0 "
+                                f"({found[2]}); a train step's logs must be numbers or arrays")
             if found is not None and (self._seen is None or found[0] > self._seen[0]):
                 self._seen = found
                 continue
