@@ -254,23 +254,30 @@ class SetAside:
         self.steps.forget_results()
         self.steps.sum_over_all(False)
 
-    def epoch_results(self, local) -> dict | None:
+    def epoch_results(self, local, summed) -> dict | None:
         """The epoch's global results while devices are set aside (a backend's ``get_metrics_result``, every
-        rank): the rank left's own, ``local()`` there (the others took no step: their metric states are
-        zeros), sent with what :meth:`epoch_ending` shares, in one message that the rank left does not wait
-        on (``comm.publish``); None where the others' states count (no device aside, or a step taken by every
-        rank this epoch): the backend sums them."""
-        kept = self.judgment.kept
+        rank): on the ranks left, ``local()`` where one is left (the others took no step: their metric states are
+        zeros), else ``summed()`` over the ranks left only; sent from the rank left that the judgment keeps, with
+        what :meth:`epoch_ending` shares, in one message that it does not wait on (``comm.publish``: the ranks set
+        aside, however slow, hold no one up); None where the others' states count (no device aside, or a step
+        taken by every rank this epoch): the backend sums them."""
+        kept, left = self.judgment.kept, self.judgment.left
         if not self.judgment.parked or self._together:
             return None
         if self.comm.rank == kept and self.relaying:
             self.relay.flush()  # the epoch's last logs to the leader, which walks on to this epoch's end
-        if len(self.judgment.left) > 1:  # the ranks set aside hold zeros: the sum over every rank is the ranks left's
-            return None
         tally = self.balancer.tally
         mine = None
+        if len(left) > 1 and self.comm.rank in left:
+            self.comm.among = left
+            try:
+                ours = summed()
+            finally:
+                self.comm.among = None
+        else:
+            ours = local() if self.comm.rank == kept else None
         if self.comm.rank == kept:
-            mine = ({k: np.asarray(v) if np.ndim(v) else float(v) for k, v in local().items()}, tally.totals,
+            mine = ({k: np.asarray(v) if np.ndim(v) else float(v) for k, v in ours.items()}, tally.totals,
                     self.judgment.measured)
         results, totals, self.judgment.measured = self.comm.publish(mine, kept, "judging the devices set aside")
         tally.take(totals)
@@ -281,12 +288,12 @@ class SetAside:
         """The rank left's epoch on every rank (before the epoch's report): its step records' totals and its
         time alone, which the ranks set aside did not see, so that the report and the trial's verdict are the
         same everywhere (sent already with the epoch's results where no step came since:
-        :meth:`epoch_results`)."""
+        :meth:`epoch_results`); one way, as those."""
         if not self.judgment.parked or self._shared_at == self.taken:
             return
         kept, tally = self.judgment.kept, self.balancer.tally
         mine = (tally.totals, self.judgment.measured) if self.comm.rank == kept else None
-        totals, self.judgment.measured = self.comm.share(mine, kept, "judging the devices set aside")
+        totals, self.judgment.measured = self.comm.publish(mine, kept, "judging the devices set aside")
         tally.take(totals)
 
     def epoch_ends(self, epoch: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu import env, failure, membership
+from multigpu.engine.board import Board
 from multigpu.engine.group import process_group_backend
 from multigpu.engine.shm import DTYPES as _SHM_DTYPES
 from multigpu.engine.shm import CollectiveMismatchError, SharedMemory
@@ -42,7 +42,7 @@ __all__ = ["BROADCAST_BUCKET", "CollectiveMismatchError", "Comm"]
 BROADCAST_BUCKET = 4 << 20  # bytes: a broadcast's flat copies hold at most this (larger tensors go in place)
 
 
-class Comm:
+class Comm(Board):
     """The collectives of one parallel run.
 
     Args:
@@ -201,19 +201,6 @@ class Comm:
         with self.fatal(what):
             dist.broadcast_object_list(box, src=self.members.index(src))
         return box[0]
-
-    def publish(self, obj, src: int, what: str):
-        """Rank ``src``'s ``obj`` on every rank of the group (:meth:`share`: here a collective as well)."""
-        return self.share(obj, src, what)
-
-    def post(self, key: str, obj) -> None:
-        """``obj`` under ``key`` in the run's store (rank 0 serves it), replacing the one before; no rank waits."""
-        dist.distributed_c10d._get_default_store().set(f"multigpu/board/{key}", pickle.dumps(obj, protocol=5))
-
-    def peek(self, key: str):
-        """The newest object :meth:`post` left under ``key``, or None (no wait)."""
-        store, name = dist.distributed_c10d._get_default_store(), f"multigpu/board/{key}"
-        return pickle.loads(store.get(name)) if store.check([name]) else None
 
     @property
     def _group_backend(self) -> str:

@@ -7,6 +7,7 @@ The members of the protocols named after OUT are called too.  Each rank writes w
 
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -42,6 +43,12 @@ if "elastic" in promised:
     seen["share"] = comm.share({"from": rank}, 1, "sharing an object")
 seen["shared"] = comm.share({"from": rank}, 1, "sharing an object")
 seen["published"] = [comm.publish({"from": rank, "n": n}, n % 2, "publishing an object") for n in range(3)]
+# one way: the rank that publishes goes on while the other is still away
+if rank == 0:
+    time.sleep(1.0)
+started = time.monotonic()
+comm.publish({"late": True}, 1, "publishing an object")
+seen["publish_seconds"] = time.monotonic() - started
 # the board: nothing under a key before a post, then the newest post of any rank, on every rank
 seen["peek_before"] = comm.peek("k")
 comm.gather_objects(None)
@@ -57,5 +64,12 @@ if comm.__module__.startswith("multigpu.backend.jax"):  # each rank took its key
 
     comm.gather_objects(None)  # (every rank is past its reads)
     seen["store_left"] = [k for k, _ in coordination_client().key_value_dir_get_bytes("multigpu/published/")]
+else:  # torch.distributed's store, the same
+    import torch.distributed as dist
+
+    comm.gather_objects(None)
+    store = dist.distributed_c10d._get_default_store()
+    seen["store_left"] = [key for n in range(1, 5) for r in range(2)
+                          if store.check([key := f"multigpu/published/{n}/{r}"])]
 with open(f"{sys.argv[1]}.{rank}.json", "w") as f:
     json.dump(seen, f)

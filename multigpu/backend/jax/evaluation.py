@@ -98,13 +98,17 @@ class Evaluation:
         if isinstance(jnp.zeros(()), jax.core.Tracer):
             return self.keras_metrics_result()
         if self._fresh is None:
-            self._fresh = self.driver.aside.epoch_results(self.keras_metrics_result)  # (devices set aside)
+            self._fresh = self.driver.aside.epoch_results(self.keras_metrics_result, self._summed_results)
         if self._fresh is None:
-            refs = list(self.model.metrics_variables)
-            summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat([v.value for v in refs])]),
-                                      "summing metrics")
-            self._fresh = self._results(jnp.asarray(summed), refs, 0)  # eagerly: rare, and nothing to compile
+            self._fresh = self._summed_results()
         return {k: np.asarray(v) if hasattr(v, "shape") and v.shape else float(v) for k, v in self._fresh.items()}
+
+    def _summed_results(self) -> dict:
+        """The results of the metric states summed over the ranks (eagerly: rare, and nothing to compile)."""
+        refs = list(self.model.metrics_variables)
+        summed = self.comm.reduce(jnp.concatenate([jnp.zeros(0, jnp.float32), *flat([v.value for v in refs])]),
+                                  "summing metrics")
+        return self._results(jnp.asarray(summed), refs, 0)
 
     def reset_metrics(self):
         self._fresh = None

@@ -85,12 +85,15 @@ class States:
         if tf.inside_function() or self._local_results:
             return self.keras_metrics_result()
         if self._fresh is None:
-            self._fresh = self.driver.aside.epoch_results(self.keras_metrics_result)  # (devices set aside)
+            self._fresh = self.driver.aside.epoch_results(self.keras_metrics_result, self._summed_results)
         if self._fresh is None:
-            refs = list(self.model.metrics_variables)
-            summed = self.comm.reduce(self._states(), "summing metrics")
-            self._fresh = metric_results(self.model, tf.constant(summed), refs, 0)  # eagerly: rare
+            self._fresh = self._summed_results()
         return {k: np.asarray(v) if np.ndim(v) else float(v) for k, v in self._fresh.items()}
+
+    def _summed_results(self) -> dict:
+        """The results of the metric states summed over the ranks (eagerly: rare)."""
+        summed = self.comm.reduce(self._states(), "summing metrics")
+        return metric_results(self.model, tf.constant(summed), list(self.model.metrics_variables), 0)
 
     def reset_metrics(self):
         self._fresh = None

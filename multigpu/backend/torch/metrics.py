@@ -280,17 +280,21 @@ class GlobalMetrics:
         if self._fresh is not None:
             return self._fresh
         if aside is not None:
-            self._fresh = aside(lambda: self.results(self.vector()))
+            self._fresh = aside(lambda: self.results(self.vector()), self._summed_results)
             if self._fresh is not None:
                 return self._fresh
+        self._fresh = self._summed_results()
+        return self._fresh
+
+    def _summed_results(self) -> dict:
+        """The results of the metric states summed over the ranks (over the ranks left where ``comm.among``)."""
         state = self.vector()
         buf = self.comm.buffer(state.numel() + 1)
         buf[: state.numel()].copy_(state)
         buf[-1] = 1.0
         summed = self.comm.reduce(buf, tag=state.numel() % 2039 + 1, what="summing metrics")
         self._summed = summed[: state.numel()].clone().cpu()
-        self._fresh = self.results(self._summed)
-        return self._fresh
+        return self.results(self._summed)
 
 
 def _plain_mean(metric) -> bool:
