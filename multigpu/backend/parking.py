@@ -8,8 +8,10 @@ moves, at epoch boundaries, where every rank runs the same hooks
   optimizer state in parts, their parts move to the ranks left (a
   collective); each rank forgets its last global results: at the epoch's
   end they are the rank left's own (the others' metric states stay zero),
-  sent with its step records' totals in one message that it does not wait
-  on (:meth:`SetAside.epoch_results`; summed over every rank where a step
+  or those of the ranks left summed among themselves, sent with the step
+  records' totals in one message that the ranks left do not wait on
+  (:meth:`SetAside.epoch_results`, through the run's store: the ranks set
+  aside, however slow, hold no one up; summed over every rank where a step
   was taken by every rank this epoch);
 * **a step** (:meth:`SetAside.step`): a rank set aside takes the step's plan
   and returns its last logs; the leader set aside (whose progress bar and
