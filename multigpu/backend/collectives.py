@@ -99,8 +99,9 @@ class Group(Protocol):
         """Rank ``src``'s ``obj`` (any picklable value) on every rank."""
 
     def publish(self, obj: Any, src: int, what: str) -> Any:
-        """Rank ``src``'s ``obj`` on every rank, where the engine allows without ``src`` waiting for the others
-        (JAX: the coordination service's store; else :meth:`share`)."""
+        """Rank ``src``'s ``obj`` on every rank, one way: ``src`` leaves a copy for each other rank in the run's
+        store (torch.distributed's, JAX's coordination service) and goes on; each takes its own when it gets
+        there (the run's timeout)."""
 
     def post(self, key: str, obj: Any) -> None:
         """Leaves ``obj`` (picklable) under ``key`` in the run's store, the newest replacing the one before,
