@@ -1,4 +1,5 @@
-"""Messages through the run's store (torch.distributed's, served by rank 0) that the sender does not wait on.
+"""Messages through the run's store (the key-value store of torch.distributed's rendezvous) that the sender does
+not wait on.
 
 A collective waits for every rank of its group: while devices are set aside
 (:mod:`multigpu.backend.parking`), a message from the rank left to the ranks set
