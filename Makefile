@@ -89,8 +89,8 @@ GPU_PYTHON ?= python3
 gpu-check:
 	KERAS_BACKEND=torch OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_cuda.py
 
-# Slow outside checks kept out of `make test`'s 12 minutes (11 min 14 s, 12 min 43 s, 12 min 32 s, 12 min 2 s, 13 min 20 s and 12 min 58 s from fresh 2-core clones, set-up through uv:
-# CONTRIBUTING.md says where the time goes): keras-hub's
+# Slow outside checks kept out of `make test`'s 12 minutes (CONTRIBUTING.md gives its figures from fresh 2-core clones
+# and says where the time goes): keras-hub's
 # tasks on JAX, the CLI's bench with its DDP baselines and its sweep, and the second backend, ratio or mode of a
 # few paths (tests/conftest.py's OUTSIDE says which and why).
 test-outside: $(TEST_STAMP)
