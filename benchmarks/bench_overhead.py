@@ -141,8 +141,8 @@ def breakdown_table(results: list[dict]) -> str:
     columns = [*PHASES, "rest of the step", "Keras loop, data, callbacks", "wall"]
     lines = ["| model, batch | run | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
     for r in results:
-        for name in ("single", "mg1", "mg2"):
-            b = r["runs"].get(name, {}).get("breakdown")
+        for name, run in r["runs"].items():
+            b = run.get("breakdown")
             if b:
                 lines.append(f"| {r['model']} {r['batch']} | {name} | " + " | ".join(f"{b[c]:.2f}" for c in columns)
                              + " |")

@@ -129,7 +129,8 @@ def parallelize(
             ranks of one machine summing through shared memory (torch and
             TensorFlow CPU devices: 0.98x to 1.15x the samples/s and 280 to
             727 MB less on a model whose Adam moments are 235 MB, in the
-            memory guide);
+            memory guide), and not where the optimizer keeps no state per
+            weight (SGD without momentum: decided when ``fit`` starts);
             off with ``min_devices``, between machines, on GPUs and on JAX,
             where the new weights' collective doubles the bytes on a link.
         shard: how much of the training state each device holds in parts:
@@ -227,7 +228,8 @@ def parallelize(
     shrinks = min_devices is not None and min_devices < n
     if shrinks:
         _allow_shrink(runtime, comm, min_devices, facts, say)
-    if level is None:
+    by_default = level is None
+    if by_default:
         level = arguments.shard_by_default(comm.transport, shrinks, facts,
                                            streams=compression is None and not sync_batchnorm and not overlap)
     balancer = LoadBalancer(runtime.devices, runtime.rank, options, _log_on_leader(comm))
@@ -236,7 +238,8 @@ def parallelize(
                                             overlap=overlap, bucket_mb=bucket_mb, replay=replay,
                                             shard_optimizer=bool(level),
                                             shard_gradients=level in ("gradients", "weights"),
-                                            shard_weights=level == "weights"),
+                                            shard_weights=level == "weights",
+                                            shard_by_default=by_default and level == "optimizer"),
                            backend.get().Steps).install()
     return model
 

@@ -193,6 +193,11 @@ def test_a_sharded_optimizer_matches_one_device(tmp_path, plain_folder, backend,
         assert all((int(r["gradients_kept"]) == 0) == (backend == "torch") for r in ranks)
         held = [int(r["held"]) for r in ranks]
         assert (max(held) < int(plain["held"])) == on, held
+        # SGD keeps no state: whole by default where parts would hold only the optimizer state (the torch
+        # gradients' level holds the gradients in parts too, and stays), and one device's weights either way
+        sgd = {"torch": "gradients"}.get(backend, "None")
+        assert [str(r["sgd_level"]) for r in ranks] == [sgd] * n
+        assert rel(plain["sgd_weights"], ranks[0]["sgd_weights"]) < 1e-5
 
     plain, ranks = pair("features")
     names = [k.split(".")[0] for k in plain if k.endswith(".weights")]

@@ -62,18 +62,19 @@ def build_optimizer(optimizer, variables) -> None:
     optimizer.built = True
 
 
-def optimizer_slots(optimizer) -> float:
+def optimizer_slots(optimizer, unknown: float | None = 0.0) -> float | None:
     """How many values ``optimizer`` keeps per weight it updates (Adam: 2; SGD with momentum: 1; an EMA and
     gradient accumulators count too; a ``LossScaleOptimizer``: its inner one's), read from a copy built on a
     small matrix (its state variables of that matrix's shape are counted: a factored state, Adafactor's, counts
-    as less than one); 0 where the copy cannot be made (an optimizer that does not rebuild from its config)."""
+    as less than one); ``unknown`` where the copy cannot be made (an optimizer that does not rebuild from its
+    config)."""
     shape = (31, 37)
     optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer  # a loss scale's own state is scalars
     try:
         copy = type(optimizer).from_config(optimizer.get_config())
         copy.build([keras.Variable(np.zeros(shape, "float32"))])
-    except Exception:  # a custom optimizer whose config does not rebuild it: nothing counted (a lower bound)
-        return 0.0
+    except Exception:  # a custom optimizer whose config does not rebuild it
+        return unknown
     return float(sum(1 for v in copy.variables if tuple(v.shape) == shape))
 
 

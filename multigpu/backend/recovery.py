@@ -2,7 +2,7 @@
 
 The protocol is the same on every backend whose sums can leave a broken group
 (:attr:`~multigpu.backend.facts.Facts.elastic`); a backend's steps take part
-only through the hooks :class:`~multigpu.backend.steps.StepsCore` declares:
+only through the hooks :class:`RecoveryHooks` declares (every backend's steps have them):
 
 * ``snapshot()`` before a step, ``restore_forward(kept)`` after a loss: what a
   forward pass writes (non-trainable variables such as BatchNorm's moving
@@ -41,7 +41,36 @@ from multigpu import env, failure, membership
 from multigpu._keras.model_parts import build_optimizer, optimizers_of
 from multigpu.log import logger as log
 
-__all__ = ["Recovery", "counts_after_loss"]
+__all__ = ["Recovery", "RecoveryHooks", "counts_after_loss"]
+
+
+class RecoveryHooks:
+    """What a backend's steps give the protocol, where its facts say it is elastic (a part of
+    :class:`~multigpu.backend.steps.StepsCore`; ``_broadcast_variables`` and ``_welcome_state`` are the core's)."""
+
+    def snapshot(self):
+        """What a step changes before its sum (non-trainable variables; the metric states kept aside)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def restore_forward(self, kept) -> None:
+        """Puts back the non-trainable variables :meth:`snapshot` kept (a step taken again)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def undo_updates(self) -> None:
+        """A step of the model's own, whose logs are summed after its updates: what its updates changed."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def take_over_metrics(self) -> None:
+        """The lost ranks' metric counts, taken over by the ranks left (the global sums stay right)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def metrics_from_zero(self) -> None:
+        """This rank's metric states start again at 0 (it finished its step with another rank's sum)."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
+
+    def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
+        """Finishes this rank's training step with another rank's sum and shares; returns the step's logs."""
+        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
 
 class Recovery:

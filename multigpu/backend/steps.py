@@ -35,6 +35,7 @@ NumPy arrays, the variable transfers and the epoch-end BatchNorm average
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,8 @@ from multigpu import backend, membership
 from multigpu._keras import compat as _compat
 from multigpu._keras.model_parts import batchnorm_statistics, optimizer_slots, optimizers_of, own_method
 from multigpu.backend import parking
+from multigpu.backend.recovery import RecoveryHooks
+from multigpu.backend.sharding import holds_nothing
 from multigpu.balancing.caps import is_out_of_memory
 from multigpu.planning.footprint import Footprint
 from multigpu.planning.partition import memory_weights, owners
@@ -94,7 +97,7 @@ def time_alone(call: Callable[[], object], rows: int, *, first: Callable[[], obj
     return rows * len(timed) / max(sum(timed), 1e-9), time.perf_counter() - began
 
 
-class StepsCore:
+class StepsCore(RecoveryHooks):
     """The backend-neutral part of a parallel model's steps (see the module docstring).
 
     Args:
@@ -129,6 +132,16 @@ class StepsCore:
     def overlapping(self) -> bool:
         """Whether the last training step summed gradients during its backward pass."""
         return False
+
+    def settle_parts(self) -> None:
+        """When ``fit`` starts: the optimizer state that went in parts by default is whole again where parts
+        would hold nothing (:func:`~multigpu.backend.sharding.holds_nothing`); every rank decides alike."""
+        options = self.parallel.options
+        if self.shards is not None and options.shard_by_default and holds_nothing(optimizers_of(self.model)):
+            self.shards = None
+            self.parallel.options = dataclasses.replace(options, shard_optimizer=False, shard_by_default=False)
+            self.balancer.log(f"the optimizer state whole on each device: {type(self.model.optimizer).__name__} "
+                              "keeps none per weight to put in parts")
 
     def prepare_optimizers(self) -> None:
         """Builds the optimizers before Keras would (an optimizer in parts: the state of this rank's part only)."""
@@ -320,28 +333,6 @@ class StepsCore:
                                   "sending the state to the ranks that came back", src=src)
         self._offset_seeds(seeds, SEED_STRIDE * (self.comm.rank - (self.comm.leader if src is None else src)))
 
-    # ------------------------------------------------ recovery's hooks (multigpu/backend/recovery.py)
-    # A backend whose facts say it is elastic gives these; the protocol itself is Recovery's.
-    def snapshot(self):
-        """What a step changes before its sum (non-trainable variables; the metric states kept aside)."""
-        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
-
-    def restore_forward(self, kept) -> None:
-        """Puts back the non-trainable variables :meth:`snapshot` kept (a step taken again)."""
-        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
-
-    def undo_updates(self) -> None:
-        """A step of the model's own, whose logs are summed after its updates: what its updates changed."""
-        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
-
-    def take_over_metrics(self) -> None:
-        """The lost ranks' metric counts, taken over by the ranks left (the global sums stay right)."""
-        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
-
-    def metrics_from_zero(self) -> None:
-        """This rank's metric states start again at 0 (it finished its step with another rank's sum)."""
-        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
-
     def restore_metrics(self) -> None:
         """This rank's metric states put back as :meth:`snapshot` kept them (a step taken again after an OOM)."""
         raise NotImplementedError(f"{type(self).__name__} does not take a step again")
@@ -350,10 +341,6 @@ class StepsCore:
         """The :class:`~multigpu.membership.PeerLostError` that ``exc`` stands for, or None (the driver's
         question: a backend whose framework wraps errors unwraps it)."""
         return exc if isinstance(exc, membership.PeerLostError) else None
-
-    def finish_sum(self, summed: list[float], n_timing: int, adopt: dict):
-        """Finishes this rank's training step with another rank's sum and shares; returns the step's logs."""
-        raise NotImplementedError(f"{type(self).__name__} does not go on after a lost device")
 
     def _calibrate_on(self, data, plan) -> None:
         """Sets automatic shares from each rank's samples/s alone on its rows of ``data`` (the backend's

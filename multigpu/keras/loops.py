@@ -169,6 +169,7 @@ class Loops:
             train.resume_at(back["epoch"], back["step"])
             initial_epoch = back["epoch"]
         p.steps_per_epoch = steps_per_epoch or train.num_batches
+        p.steps.settle_parts()
         p.steps.check_state(skip=back is not None)
         p.steps.prepare_optimizers()
         p.timing.break_continuity()

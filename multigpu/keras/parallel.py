@@ -49,6 +49,7 @@ class Options:
     # (resolved by parallelize: None becomes what the transport chose)
     shard_gradients: bool = False  # torch: the built-in step's gradients go into the sum's buffer, not kept
     shard_weights: bool = False  # torch: each rank holds its part of the weights while fit runs
+    shard_by_default: bool = False  # the optimizer state in parts by default: whole again where it holds none
     replay: bool | None = None  # torch: False keeps Keras's own forward pass at every step
 
 

@@ -16,7 +16,7 @@ Modes:
   custom     a ``train_step`` of the model's own (backward, ``optimizer.apply``) with Adam
   gan        a GAN whose ``train_step`` calls two optimizers (Adam, SGD with momentum), by ``train_on_batch``
   default    no ``shard_optimizer`` given (equal shares): whether the run holds the state in parts (it does where
-             the ranks sum through shared memory)
+             the ranks sum through shared memory), with Adam, then with SGD, which keeps no state to put in parts
   checkpoint one epoch of Adam with a ``ModelCheckpoint`` (``.weights.h5``), then ``model.save`` (a
              ``.keras`` file); the parallel run then trains another epoch, loads the ``.weights.h5`` into
              its sharded optimizer and trains the second epoch again; the plain run trains two epochs,
@@ -287,8 +287,17 @@ def default(a):
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     sharded = bool(multigpu.state(model).shard_optimizer) if not a.plain else False
     level = str(multigpu.state(model).shard) if not a.plain else "None"
+    set_random_seed(6)
+    stateless = small_model()  # SGD: nothing per weight to hold in parts
+    if not a.plain:
+        stateless = multigpu.parallelize(stateless, devices=a.devices.split(","),
+                                         ratios=[1.0] * len(a.devices.split(",")), timeout=60)
+    stateless.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    stateless.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    sgd_level = str(multigpu.state(stateless).shard) if not a.plain else "None"
     save(a, 0 if a.plain else multigpu.rank(), sharded=np.asarray(sharded), held=np.asarray(held(model.optimizer)),
-         level=np.asarray(level), gradients_kept=np.asarray(gradients_kept(model)))
+         level=np.asarray(level), gradients_kept=np.asarray(gradients_kept(model)), sgd_level=np.asarray(sgd_level),
+         sgd_weights=flat(stateless.get_weights()))
 
 
 MODES = {"default": default, "features": features, "custom": custom, "gan": gan, "checkpoint": checkpoint}
