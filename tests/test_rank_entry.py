@@ -1,6 +1,7 @@
 """The entry point of started ranks runs the program as python would, and ends it without finalization."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -170,3 +171,40 @@ def test_a_cpu_device_given_a_size_gets_its_backends_allocator_settings_and_only
     free = processes.rank_environment(1, devices, 1234, None, "/tmp")
     assert {k: bounded[k] for k in mine} == mine
     assert not {"MKL_DISABLE_FAST_MM", "TF_MKL_ALLOC_MAX_BYTES"} & set(free)
+
+
+_FREED = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from multigpu.runtime import processes
+    if sys.argv[1] == "keep":
+        processes.keep_freed_memory()
+    def faults():
+        return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
+    def step():  # three 8 MiB buffers made and let go, as a step's host buffers are
+        held = [np.ones(2 << 20, np.float32) for _ in range(3)]
+        del held
+    for _ in range(3):
+        step()
+    before = faults()
+    for _ in range(20):
+        step()
+    print((faults() - before) / 20)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc: Linux")
+def test_a_rank_keeps_the_memory_a_step_frees_for_the_next_step(tmp_path):
+    """glibc's defaults give freed pages of this pattern back to the kernel, and the next step faults them in again
+    (about a thousand page faults a step); a rank keeps them (none), unless the environment sets the thresholds."""
+    script = tmp_path / "freed.py"
+    script.write_text(_FREED)
+
+    def faults(mode: str, **env) -> float:
+        res = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60,
+                             check=True, env={**os.environ, **env})
+        return float(res.stdout.strip())
+
+    assert faults("default") > 500
+    assert faults("keep") < 10
+    assert faults("keep", MALLOC_TRIM_THRESHOLD_="131072") > 500  # the user's own setting wins

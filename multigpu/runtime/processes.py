@@ -23,6 +23,7 @@ __all__ = [
     "command",
     "die_with_parent",
     "free_port",
+    "keep_freed_memory",
     "loopback_listener",
     "rank_environment",
     "stop_processes",
@@ -59,6 +60,36 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - non-Linux
         pass
+
+
+#: glibc's malloc in a rank: blocks under this size come from the heap, not from a mapping of their own
+MMAP_THRESHOLD = 32 << 20
+#: and this much free memory at the heap's top stays with the process (glibc's default: 128 KiB, then moving)
+TRIM_THRESHOLD = 256 << 20
+
+
+def keep_freed_memory() -> None:
+    """Keeps the host memory a step frees for the next step (glibc's malloc; elsewhere, or where the environment
+    sets glibc's malloc thresholds itself, nothing).
+
+    A step allocates and frees host buffers of the same sizes every time (on TensorFlow the gradient vector, the
+    arrays its ``numpy_function`` hands over and gets back: 2.7 MB each for an MLP of 668,000 weights).  With
+    glibc's defaults, whose thresholds move as the process runs, a process may give those pages back to the
+    kernel at each free and fault them in again at the next step, and whether it does depends on the order of
+    its first allocations: on TensorFlow's MLP at batch 64 on two CPU devices one rank took 1,900 page faults a
+    step and its step before the sum took 8.2 ms against the other rank's 4.7 ms (59 faults); about half of 17
+    runs had a rank slowed so.  With blocks under :data:`MMAP_THRESHOLD` taken from the heap and up to
+    :data:`TRIM_THRESHOLD` of free heap kept, both ranks took 1 to 4 faults a step in every run
+    (``benchmarks/tensorflow/README.md``).
+    """
+    if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (set, it no longer moves)
+    mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
 
 
 def loopback_listener() -> socket.socket:

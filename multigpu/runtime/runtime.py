@@ -33,7 +33,7 @@ from multigpu.failure import fail, failed, identify, note_failure, note_thread_f
 from multigpu.log import logger as log
 from multigpu.runtime import environments
 from multigpu.runtime.environments import Environment
-from multigpu.runtime.processes import command
+from multigpu.runtime.processes import command, keep_freed_memory
 
 __all__ = ["Runtime", "current", "fail", "rank", "rerun_command", "start", "world_size"]
 
@@ -267,6 +267,8 @@ def _bind(runtime: Runtime) -> None:
             os.sched_setaffinity(0, device.cores)
         except (AttributeError, OSError):  # pragma: no cover - non-Linux
             pass
+    if device.memory is None:  # a device given a memory size keeps glibc's own return of freed memory
+        keep_freed_memory()
     if not device.is_cuda and device.speed < 1.0:
         from multigpu.throttle import CpuQuota
 
