@@ -72,6 +72,9 @@ that were both given differ, rank 0 says in one line which it took.
   ``PMI_KVSNAME``, ``PMI_JOBID``; and ``JAX_COORDINATOR_ADDRESS`` (where JAX's
   coordinator listens under an outside launcher; default: ``MASTER_PORT + 1``
   on the rendezvous host).  Never set.
+* ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``: glibc's own settings of its
+  malloc; where one is set, a rank leaves its malloc thresholds as they are
+  (:func:`multigpu.runtime.processes.keep_freed_memory`).  Never set.
 * ``CUDA_VISIBLE_DEVICES``: read to number the GPUs a launcher gave the process.
 * ``XDG_CACHE_HOME``: where the profile file goes by default.
 * ``OMP_NUM_THREADS``: set on the processes we start, to their core count.
@@ -113,6 +116,7 @@ REJOIN = "MULTIGPU_REJOIN"
 SHARED_ARRAYS = "MULTIGPU_SHARED_ARRAYS"
 LOG_LEVEL = "MULTIGPU_LOG_LEVEL"
 GIVEN = "MULTIGPU_GIVEN"
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_VARS = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DEVICES, RATIOS, SUPERVISOR_PID, RUN_DIR, TIMEOUT,

@@ -82,7 +82,7 @@ def keep_freed_memory() -> None:
     :data:`TRIM_THRESHOLD` of free heap kept, both ranks took 1 to 4 faults a step in every run
     (``benchmarks/tensorflow/README.md``).
     """
-    if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+    if any(env.get(name) is not None for name in env.MALLOC_SETTINGS):
         return
     try:
         mallopt = ctypes.CDLL(None).mallopt
