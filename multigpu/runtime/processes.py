@@ -79,7 +79,7 @@ def keep_freed_memory() -> None:
     its first allocations: on TensorFlow's MLP at batch 64 on two CPU devices one rank took 1,900 page faults a
     step and its step before the sum took 8.2 ms against the other rank's 4.7 ms (59 faults); about half of 17
     runs had a rank slowed so.  With blocks under :data:`MMAP_THRESHOLD` taken from the heap and up to
-    :data:`TRIM_THRESHOLD` of free heap kept, both ranks took 1 to 4 faults a step in every run
+    :data:`TRIM_THRESHOLD` of free heap kept, both ranks took 1 to 8 faults a step in every run
     (``benchmarks/tensorflow/README.md``).
     """
     if any(env.get(name) is not None for name in env.MALLOC_SETTINGS):
