@@ -40,15 +40,15 @@ def rank() -> None:
     fn = steps._train
     xb, yb, w, tail = tf.constant(x[:32]), tf.constant(y[:32]), tf.constant(0.5), tf.constant(steps._message())
     marks = []
-    reduce = steps.comm.reduce
+    reduce = steps.comm.reduce_parts
 
-    def timed_reduce(vector, what="summing gradients"):
+    def timed_reduce(parts, what="summing gradients"):
         began = time.perf_counter()
-        out = reduce(vector, what)
+        out = reduce(parts, what)
         marks.append((began, time.perf_counter()))
         return out
 
-    steps.comm.reduce = timed_reduce
+    steps.comm.reduce_parts = timed_reduce
 
     def faults() -> int:
         return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])

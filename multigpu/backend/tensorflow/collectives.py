@@ -138,14 +138,29 @@ class Comm:
             buf.view(torch.int16).numpy()[:] = vector.view(np.int16)
         else:
             buf.numpy()[:] = vector
-        try:
-            summed = self.engine.reduce(buf, what=what, describe=lambda: f"{vector.size} {vector.dtype} values")
-        except PeerLostError as lost:
-            self._lost = lost  # the group of the ranks left is formed: the step is taken again over them
-            raise
+        summed = self._reduce(buf, what, lambda: f"{vector.size} {vector.dtype} values")
         if dtype == torch.bfloat16:
             return summed.view(torch.int16).numpy().view(vector.dtype)
         return summed.numpy()
+
+    def reduce_parts(self, parts: Sequence[np.ndarray], what: str = "summing gradients") -> np.ndarray:
+        """The sum over ranks of float32 ``parts`` laid end to end, each written straight into the engine's
+        buffer (no joined copy first), as one float32 NumPy vector (valid until the next-but-one call)."""
+        sizes = [int(np.size(p)) for p in parts]
+        n = sum(sizes)
+        buf = self.engine.buffer(n, torch.float32)
+        flat, start = buf.numpy(), 0
+        for part, size in zip(parts, sizes):
+            flat[start : start + size] = np.reshape(part, -1)
+            start += size
+        return self._reduce(buf, what, lambda: f"{n} float32 values").numpy()
+
+    def _reduce(self, buf: torch.Tensor, what: str, describe) -> torch.Tensor:
+        try:
+            return self.engine.reduce(buf, what=what, describe=describe)
+        except PeerLostError as lost:
+            self._lost = lost  # the group of the ranks left is formed: the step is taken again over them
+            raise
 
     def gather_parts(self, mine: Sequence[np.ndarray], where: Sequence[int], n: int, what: str) -> np.ndarray:
         """A float32 vector of ``n`` values whose every part one rank writes: this rank's arrays ``mine``, each
@@ -155,12 +170,7 @@ class Comm:
         flat = buf.numpy()
         for start, values in zip(where, mine):
             flat[start : start + values.size] = values.reshape(-1)
-        try:
-            summed = self.engine.reduce(buf, what=what, describe=lambda: f"{what} ({n} float32 values)")
-        except PeerLostError as lost:
-            self._lost = lost
-            raise
-        return summed.numpy()
+        return self._reduce(buf, what, lambda: f"{what} ({n} float32 values)").numpy()
 
     def concatenate(self, arrays: Sequence[np.ndarray], what: str = "gathering sparse gradients") -> list:
         """Every rank's arrays joined along their first axis, in rank order (each array on its own).

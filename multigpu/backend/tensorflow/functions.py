@@ -13,7 +13,12 @@
 * ``step`` runs the three as one ``tf.function``, the sum a
   ``tf.numpy_function`` inside it: one call into TensorFlow a step (measured:
   the MLP at batch 64 on two CPU devices, 4.5 ms a step as two functions
-  around the sum, 3.7 to 4.0 ms as one).  It is None where a step must be
+  around the sum, 3.7 to 4.0 ms as one).  Each gradient goes to the
+  ``numpy_function`` as it is and is written straight into the sum's buffer
+  (:meth:`Comm.reduce_parts <multigpu.backend.tensorflow.collectives.Comm.reduce_parts>`):
+  no joined vector in the graph, none in NumPy (the step's cost beyond the
+  rank's own work: 1.4 to 1.9 ms against 2.4 to 3.1 ms,
+  ``benchmarks/tensorflow/README.md``).  It is None where a step must be
   taken again from between the two (a run that may lose a rank, a device
   that may run out of memory) or where XLA compiles them (it cannot call
   into Python);
@@ -30,6 +35,7 @@ A rank with no rows sends zeros and its unchanged metric states
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import keras
 import numpy as np
@@ -58,7 +64,7 @@ class TrainFunctions:
         training_arg = _compat.call_has_training_arg(model)
         self.sparse: dict[int, np.dtype] | None = None  # variables with IndexedSlices gradients: index dtype
 
-        def local(x, y, sample_weight, weight):
+        def parts(x, y, sample_weight, weight):
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True) if training_arg else model(x)
                 loss = _compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
@@ -74,10 +80,14 @@ class TrainFunctions:
                            if isinstance(g, tf.IndexedSlices)}
             dense = [tf.zeros_like(v) if g is None else g for i, (g, v) in enumerate(zip(grads, trainable))
                      if i not in self.sparse]
-            vector = tf.concat([tf.zeros(0, tf.float32), *flat(dense)], 0)
             states = tf.concat([tf.zeros(0, tf.float32), *flat([v.value for v in model.metrics_variables])], 0)
             slices = tuple(t for i in self.sparse for t in (tf.cast(grads[i].values, tf.float32),
                                                              grads[i].indices))
+            return flat(dense), states, slices
+
+        def local(x, y, sample_weight, weight):
+            dense, states, slices = parts(x, y, sample_weight, weight)
+            vector = tf.concat([tf.zeros(0, tf.float32), *dense], 0)
             return (vector if half is None else tf.cast(vector, half)), states, slices
 
         def apply(summed, slices):
@@ -97,19 +107,26 @@ class TrainFunctions:
             return metric_results(model, summed, list(model.metrics_variables), n_dense)
 
         def step(x, y, sample_weight, weight, tail):
-            vector, states, slices = local(x, y, sample_weight, weight)
-            parts = tf.numpy_function(self.exchange, [vector, states, tail, *slices],
-                                      [tf.float32, *(t.dtype for t in slices)], stateful=True)
-            summed, gathered = parts[0], parts[1:]
-            summed.set_shape([vector.shape[0] + states.shape[0] + tail.shape[0]])
+            if half is None:  # each gradient handed over as it is, written straight into the sum's buffer
+                dense, states, slices = parts(x, y, sample_weight, weight)
+                n = sum(d.shape[0] for d in dense)
+                out = tf.numpy_function(partial(self._exchange_parts, len(dense)), [states, tail, *dense, *slices],
+                                        [tf.float32, *(t.dtype for t in slices)], stateful=True)
+            else:
+                vector, states, slices = local(x, y, sample_weight, weight)
+                n = vector.shape[0]
+                out = tf.numpy_function(self.exchange, [vector, states, tail, *slices],
+                                        [tf.float32, *(t.dtype for t in slices)], stateful=True)
+            summed, gathered = out[0], out[1:]
+            summed.set_shape([n + states.shape[0] + tail.shape[0]])
             for part, mine in zip(gathered, slices):
                 part.set_shape([None, *mine.shape[1:]])
-            return apply(summed, tuple(gathered)), summed[vector.shape[0] + states.shape[0] :]
+            return apply(summed, tuple(gathered)), summed[n + states.shape[0] :]
 
         def alone(x, y, sample_weight, weight, tail):
-            vector, states, slices = local(x, y, sample_weight, weight)
-            summed = tf.concat([tf.cast(vector, tf.float32), states, tail], 0)  # (the sum over itself)
-            return apply(summed, slices), summed[vector.shape[0] + states.shape[0] :]
+            dense, states, slices = parts(x, y, sample_weight, weight)
+            summed = tf.concat([tf.zeros(0, tf.float32), *dense, states, tail], 0)  # (the sum over itself)
+            return apply(summed, slices), summed[summed.shape[0] - tail.shape[0] :]
 
         self.local = steps._function(local)
         self.apply = steps._function(apply, jit=False if steps.shards is not None else None)  # XLA calls no Python
@@ -121,15 +138,24 @@ class TrainFunctions:
     def exchange(self, vector: np.ndarray, states: np.ndarray, tail: np.ndarray, *slices: np.ndarray):
         """The step's sum over ranks: weighted gradients, metric states and message (float32, the gradients in
         16 bits with ``compression``); the sparse rows gathered in rank order.  Returns the sum and the rows."""
+        return self._exchange([vector], states, tail, slices)
+
+    def _exchange_parts(self, k: int, states: np.ndarray, tail: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """:meth:`exchange` as the fused step calls it: ``k`` gradient parts, then the sparse rows."""
+        return self._exchange(arrays[:k], states, tail, arrays[k:])
+
+    def _exchange(self, dense, states: np.ndarray, tail: np.ndarray, slices) -> tuple:
+        """:meth:`exchange` of the gradient vector in ``dense`` parts (float32: each written into the sum's
+        buffer, no joined copy first)."""
         steps = self.steps
-        rest = np.concatenate([states, tail])
         with steps.timing.waiting():
-            if steps.half is None:
-                summed = steps.comm.reduce(np.concatenate([vector, rest]), "summing gradients").copy()
+            if steps.half is None:  # (a copy: the engine's buffer is written again two sums later)
+                summed = steps.comm.reduce_parts([*dense, states, tail], "summing gradients").copy()
             else:
-                vector = steps.comm.reduce(vector, "summing gradients").astype(np.float32)
-                summed = np.concatenate([vector, steps.comm.reduce(rest, "summing the step's metrics")])
-            gathered = steps.comm.concatenate(list(slices)) if slices else []
+                vector = steps.comm.reduce(dense[0], "summing gradients").astype(np.float32)
+                summed = np.concatenate([vector, steps.comm.reduce(np.concatenate([states, tail]),
+                                                                   "summing the step's metrics")])
+            gathered = steps.comm.concatenate(list(slices)) if len(slices) else []
         return (summed, *gathered)
 
     def idle_parts(self) -> tuple[np.ndarray, np.ndarray, list]:

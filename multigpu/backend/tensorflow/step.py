@@ -81,6 +81,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self._test = self._predict = None
         self._applied = False  # the update function has been traced (by the first training step)
         self._traced: set = set()  # the fused step functions called so far (the first call of each traces it)
+        self._concretes: dict = {}  # their concrete functions, by the function and the batch's shapes
         self._local_results = False  # inside a step run eagerly: metric results are this rank's own
         self.recovery = Recovery(self)
         # A GPU by its allocator's statistics; a CPU device given a size by the process (TensorFlow's CPU
@@ -139,7 +140,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
     # ---------------------------------------------------------- training
     def _build_train(self) -> None:
         self._train = TrainFunctions(self)
-        self._applied, self._traced = False, set()
+        self._applied, self._traced, self._concretes = False, set(), {}
 
     def _train_function(self, iterator):
         return self._batches(self._train_batch, iterator)[-1]
@@ -203,7 +204,8 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             step = fn.alone if self.comm.alone and fn.alone is not None else fn.step
             traced = traced or step not in self._traced  # (the first step alone traces its own function)
             self._traced.add(step)
-            logs, message = step(x, y, sample_weight, weight, tf.constant(self._message()))
+            logs, message = self._concrete(step, x, y, sample_weight)(x, y, sample_weight, weight,
+                                                                         tf.constant(self._message()))
             self.driver.finish(message.numpy())
         else:
             parts, short, cap = (None, 0, 0) if plan.local == 0 else self.driver.local(
@@ -225,6 +227,18 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self._applied = True
         self.driver.done(plan, measured=not traced)
         return logs
+
+    def _concrete(self, step, x, y, sample_weight):
+        """``step``'s concrete function for this batch's shapes, traced at its first call: called straight, it
+        skips the ``tf.function``'s lookup of its traces by the arguments' types (about 0.15 ms a call, measured
+        on the MLP's fused step: 0.27 ms against 0.12 ms)."""
+        flat = keras.tree.flatten((x, y, sample_weight))
+        key = (id(step), *(None if t is None else (type(t), tuple(t.shape), t.dtype) for t in flat))
+        concrete = self._concretes.get(key)
+        if concrete is None:
+            weight, tail = tf.constant(0.0, tf.float32), tf.constant(self._message())
+            concrete = self._concretes[key] = step.get_concrete_function(x, y, sample_weight, weight, tail)
+        return concrete
 
     def _message(self, short: int = 0, cap: int = 0) -> np.ndarray:
         """This rank's step message (:meth:`StepDriver.say <multigpu.backend.driver.StepDriver.say>`), float32."""
