@@ -1,7 +1,7 @@
 """The TensorFlow backend (``KERAS_BACKEND=tensorflow``): N devices reproduce one, on real processes.
 
 The same checks as the torch backend's, against a plain TensorFlow process:
-the mixed model at 3:1 (SGD) and 1:2:5 (Adam) with a ragged last step
+the mixed model at 3:1 (SGD; and with 16-bit gradients) and 1:2:5 (Adam) with a ragged last step
 (:mod:`tests.test_exactness`), two outputs with sample weights, evaluate and
 predict, global BatchNorm, callbacks and saving (:mod:`tests.test_keras`,
 whose tests run here again with this module's runs), a ``train_step`` of the
@@ -67,13 +67,19 @@ def _parallel(script, *args, cwd, devices="cpu:0,cpu:1"):
 @pytest.mark.parametrize(("ratios", "optimizer"), [("3,1", "sgd"), ("1,2,5", "adam")])
 def test_mixed_model_matches_one_device(tmp_path, ratios, optimizer):
     """Dense, Conv2D, GRU, Embedding (sparse gradients) and L2 on 193 rows at batch 64: the last step has
-    one row, so at 3:1 one rank and at 1:2:5 two ranks have none."""
+    one row, so at 3:1 one rank and at 1:2:5 two ranks have none. At 3:1 a third run sends its gradients in 16
+    bits (``compression="bf16"``): near one device, every rank alike, and not exact (really 16 bits)."""
     n = len(ratios.split(","))
+
+    def parallel(out: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)),
+                "--ratios", ratios, str(SCRIPTS / "exactness.py"), str(tmp_path / out), "--rows", "193",
+                "--optimizers", optimizer, *extra]
+
+    compressed = optimizer == "sgd"
     _together([sys.executable, str(SCRIPTS / "exactness.py"), str(tmp_path / "plain.npz"), "--plain", "--rows", "193",
-               "--optimizers", optimizer],
-              [sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)),
-               "--ratios", ratios, str(SCRIPTS / "exactness.py"), str(tmp_path / "par.npz"), "--rows", "193",
-               "--optimizers", optimizer], cwd=tmp_path)
+               "--optimizers", optimizer], parallel("par.npz"),
+              *([parallel("bf16.npz", "--compression", "bf16")] if compressed else []), cwd=tmp_path)
     tolerance = {"sgd": 1e-5, "adam": 1e-4}[optimizer]
     (ref, ref_history), (got, history) = (load_exactness(tmp_path / f, (optimizer,))[optimizer]
                                           for f in ("plain.npz", "par.npz"))
@@ -83,6 +89,12 @@ def test_mixed_model_matches_one_device(tmp_path, ratios, optimizer):
     for r in range(1, n):
         other, other_history = load_exactness(tmp_path / f"par.npz.rank{r}.npz", (optimizer,))[optimizer]
         assert max_relative_error(got, other) == 0.0 and other_history == history
+    if compressed:
+        half, half_history = load_exactness(tmp_path / "bf16.npz", (optimizer,))[optimizer]
+        assert 1e-6 < max_relative_error(ref, half) <= 1e-2  # bf16 keeps 8 bits of mantissa
+        np.testing.assert_allclose(half_history["loss"], ref_history["loss"], rtol=1e-2)
+        other, _ = load_exactness(tmp_path / "bf16.npz.rank1.npz", (optimizer,))[optimizer]
+        assert max_relative_error(half, other) == 0.0
 
 
 @pytest.fixture(scope="module")
