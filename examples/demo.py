@@ -133,7 +133,13 @@ def one_device_rate(a: argparse.Namespace) -> float:
                    "--batch-size", str(a.batch_size), "--rows", str(a.rows)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIGPU_")}
         env.update(OMP_NUM_THREADS="1", KERAS_BACKEND=keras.backend.backend())
-        subprocess.run(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0}), check=True)
+        # Its output only where it fails: TensorFlow's start-up lines, which this process printed already, else.
+        done = subprocess.run(command, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {0}), check=False,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.stdout.write(done.stdout)
+            sys.stderr.write(done.stderr)
+            raise subprocess.CalledProcessError(done.returncode, command)
         return float(json.loads(out.read_text())["samples_per_second"])
 
 
