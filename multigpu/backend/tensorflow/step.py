@@ -204,8 +204,8 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
             step = fn.alone if self.comm.alone and fn.alone is not None else fn.step
             traced = traced or step not in self._traced  # (the first step alone traces its own function)
             self._traced.add(step)
-            logs, message = self._concrete(step, x, y, sample_weight)(x, y, sample_weight, weight,
-                                                                         tf.constant(self._message()))
+            tail = tf.constant(self._message())
+            logs, message = self._concrete(step, x, y, sample_weight, tail)(x, y, sample_weight, weight, tail)
             self.driver.finish(message.numpy())
         else:
             parts, short, cap = (None, 0, 0) if plan.local == 0 else self.driver.local(
@@ -228,15 +228,15 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self.driver.done(plan, measured=not traced)
         return logs
 
-    def _concrete(self, step, x, y, sample_weight):
+    def _concrete(self, step, x, y, sample_weight, tail):
         """``step``'s concrete function for this batch's shapes, traced at its first call: called straight, it
         skips the ``tf.function``'s lookup of its traces by the arguments' types (about 0.15 ms a call, measured
         on the MLP's fused step: 0.27 ms against 0.12 ms)."""
         flat = keras.tree.flatten((x, y, sample_weight))
-        key = (id(step), *(None if t is None else (type(t), tuple(t.shape), t.dtype) for t in flat))
+        key = (id(step), tail.shape[0], *(None if t is None else (type(t), tuple(t.shape), t.dtype) for t in flat))
         concrete = self._concretes.get(key)
         if concrete is None:
-            weight, tail = tf.constant(0.0, tf.float32), tf.constant(self._message())
+            weight = tf.constant(0.0, tf.float32)
             concrete = self._concretes[key] = step.get_concrete_function(x, y, sample_weight, weight, tail)
         return concrete
 
