@@ -81,7 +81,7 @@ class TensorFlowSteps(Evaluation, States, StepsCore):
         self._test = self._predict = None
         self._applied = False  # the update function has been traced (by the first training step)
         self._traced: set = set()  # the fused step functions called so far (the first call of each traces it)
-        self._concretes: dict = {}  # their concrete functions, by the function and the batch's shapes
+        self._concretes: dict = {}  # their concrete functions, by function, batch shapes and message length
         self._local_results = False  # inside a step run eagerly: metric results are this rank's own
         self.recovery = Recovery(self)
         # A GPU by its allocator's statistics; a CPU device given a size by the process (TensorFlow's CPU
