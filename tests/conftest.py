@@ -55,6 +55,8 @@ OUTSIDE = {
     "test_cli.py::test_bench_prints_per_device_rates_baselines_and_breakdown": "the DDP baselines are laboratory",
     "test_tensorflow.py::test_mixed_model_matches_one_device[1,2,5-adam]": "3:1 and the optimizer features stay",
     "test_reliability.py::test_every_failure_ends_the_run_within_its_timeout[catch]": "the sleeping rank stays",
+    "test_reliability.py::test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it[torch]":
+        "JAX's case, the same death signal to every rank, stays",
     "test_tfdata.py::test_tf_data_pipelines_reproduce_one_device[jax-3,1]": "tf.data on torch and JAX's steps stay",
     "test_jax.py::test_parallel_run_matches_single_device_on_jax[1,2,5-adam]": "3:1 with SGD and Adam stays",
     "test_jax.py::test_torchrun_two_machines_on_loopback_on_jax": "torchrun on torch stays",

@@ -49,6 +49,22 @@ def test_kill_9_of_rank_1_mid_epoch_ends_the_run_naming_it(runner):
     kill_rank_1_mid_epoch(runner)
 
 
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it(runner, backend):
+    """SIGKILL to ``multigpu run`` once its ranks train: Linux sends each rank SIGTERM (the supervisor's death
+    signal), and each ends on it within seconds.  On JAX the ranks trained on for over a minute while JAX's
+    preemption service took that SIGTERM as a notice of preemption (multigpu.backend.jax.group)."""
+    if backend == "jax":
+        pytest.importorskip("jax", reason="the JAX backend's tests need jax (make test installs it)")
+    proc = runner.start([*RUN, str(SCRIPTS / "tiny.py"), *LONG],
+                        {"KERAS_BACKEND": backend, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+    wait_for(proc, r"rank 1 pid \d+ training", timeout=90)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()  # (the ranks hold its other end until they end)
+    assert runner.leftovers(wait=10.0) == []
+
+
 @pytest.mark.parametrize(("sig", "how"), [(signal.SIGTERM, "python"), (signal.SIGINT, "run")])
 def test_interrupting_the_launching_process_stops_every_rank(runner, sig, how):
     command = [sys.executable, str(SCRIPTS / "tiny.py"), *LONG] if how == "python" else [*RUN, str(

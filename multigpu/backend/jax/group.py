@@ -12,6 +12,15 @@ train.py ARGS``.
 Rank 0 hosts JAX's coordinator on the port the supervisor chose: it closes the
 listening socket the supervisor opened for it just before (no process can
 take the port while the supervisor holds it).
+
+A rank ends on ``SIGTERM``, as on the other backends: the supervisor stops
+the ranks with it after a failure, and Linux sends it to each rank when the
+supervisor dies (a ``multigpu run`` or a notebook kernel killed with
+``SIGKILL``).  JAX's preemption service, which ``jax.distributed.initialize``
+starts by default, takes ``SIGTERM`` as a notice of preemption and lets the
+process run on (its ranks trained on for over a minute after their
+supervisor was killed), so the ranks join with it off; multigpu has no use
+for its sync points.
 """
 
 from __future__ import annotations
@@ -80,6 +89,7 @@ def join(runtime) -> None:
     except Exception as exc:  # an old JAX without XLA's CPU collectives
         raise RuntimeError(f"multigpu on JAX needs XLA's gloo CPU collectives (jax >= 0.5). Received: jax "
                            f"{_jax_version()} ({type(exc).__name__}: {exc})") from exc
+    jax.config.update("jax_enable_preemption_service", False)  # SIGTERM ends the rank (the module's docstring)
     fd = env.pop(env.STORE_FD)
     if fd is not None:  # the supervisor's listening socket: free the port for JAX's coordinator
         os.close(int(fd))
