@@ -263,6 +263,23 @@ class Runner:
             time.sleep(0.2)
 
 
+def run_beside(folder: Path, commands: dict, timeout: float) -> dict[str, subprocess.CompletedProcess]:
+    """Runs ``commands`` (``name: (args, extra_env)``) at once in ``folder``, in a runner of their own, and checks
+    that none left a process behind; returns each one's result by name.
+
+    For a module's fixture: its one-device reference beside the parallel runs that `make test` checks against
+    it, so that each finds the core the others leave idle while it imports (the runs of `make test-outside`'s
+    cases start on their own, in their test).
+    """
+    runner = Runner(folder)
+    try:
+        done = runner.together(*commands.values(), timeout=timeout)
+        assert runner.leftovers() == []
+    finally:
+        shutil.rmtree(runner.tmp, ignore_errors=True)
+    return dict(zip(commands, done))
+
+
 def run_together(*commands: dict, timeout: float) -> list[subprocess.CompletedProcess]:
     """Runs independent commands at once and waits for every one (each a dict of ``subprocess.Popen``'s arguments,
     ``args`` among them): a one-device reference beside the run it checks, so that each finds the core the other

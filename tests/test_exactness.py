@@ -7,11 +7,12 @@ none, with 1:2:5 two ranks get none).
 """
 
 import json
+import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, run_beside
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -33,30 +34,57 @@ def max_relative_error(a, b) -> float:
     return max(float(np.abs(x - y).max() / (np.abs(x).max() + 1e-12)) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    import subprocess
-    import sys
+def _command(folder, kind: str, ratios: str, transport: str) -> tuple[list[str], dict]:
+    """``multigpu run`` of ``exactness.py`` at ``ratios`` over ``transport`` (``kind``: ``exact``, or ``bf16`` with
+    SGD alone), writing ``par-KIND-RATIOS-TRANSPORT.npz`` in ``folder``."""
+    n = len(ratios.split(","))
+    extra = ["--optimizers", "sgd", "--compression", "bf16"] if kind == "bf16" else []
+    return ([sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)),
+             "--ratios", ratios, str(SCRIPTS / "exactness.py"), str(folder / f"par-{kind}-{ratios}-{transport}.npz"),
+             "--rows", ROWS, *extra],
+            # over gloo, overlap asked for (on one machine it is off by default): the sums (16-bit buckets with
+            # bf16) start during backward
+            {"MULTIGPU_TRANSPORT": transport, "MULTIGPU_OVERLAP": "1" if transport == "gloo" else ""})
 
-    out = tmp_path_factory.mktemp("plain") / "plain.npz"
-    res = subprocess.run([sys.executable, str(SCRIPTS / "exactness.py"), str(out), "--plain", "--rows", ROWS],
-                         capture_output=True, check=False, text=True, timeout=120,
-                         env={**__import__("os").environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stdout + res.stderr
-    return load(out)
+
+BESIDE = [("exact", "3,1", "shm"), ("exact", "1,3", "gloo"), ("bf16", "3,1", "gloo")]  # make test's cases
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-device reference beside make test's parallel runs (``BESIDE``), all at once: their folder and
+    results."""
+    folder = tmp_path_factory.mktemp("exactness")
+    plain = ([sys.executable, str(SCRIPTS / "exactness.py"), str(folder / "plain.npz"), "--plain", "--rows", ROWS],
+             None)
+    return folder, run_beside(folder, {"plain": plain, **{case: _command(folder, *case) for case in BESIDE}}, 200)
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    folder, done = runs
+    assert done["plain"].returncode == 0, done["plain"].stdout[-3000:]
+    return load(folder / "plain.npz")
+
+
+def _parallel(runner, runs, kind: str, ratios: str, transport: str):
+    """The run of that case (from ``runs`` where it ran beside the reference): its result and its output file."""
+    folder, done = runs
+    case = (kind, ratios, transport)
+    if case not in done:
+        folder = runner.tmp_path
+        args, extra = _command(folder, *case)
+        done = {case: runner.run(args, extra_env=extra)}
+    return done[case], folder / f"par-{kind}-{ratios}-{transport}.npz"
 
 
 @pytest.mark.parametrize(
     ("ratios", "transport"),
     [("3,1", "shm"), ("1,2,5", "shm"), ("1,3", "gloo")],
 )
-def test_parallel_run_matches_single_device(runner, reference, ratios, transport):
+def test_parallel_run_matches_single_device(runner, runs, reference, ratios, transport):
     n = len(ratios.split(","))
-    devices = ",".join(f"cpu:{i}" for i in range(n))
-    out = runner.tmp_path / "par.npz"
-    res = runner.cli("run", "--devices", devices, "--ratios", ratios, str(SCRIPTS / "exactness.py"), str(out),
-                     "--rows", ROWS, extra_env={"MULTIGPU_TRANSPORT": transport,
-                                                "MULTIGPU_OVERLAP": "1" if transport == "gloo" else ""})
+    res, out = _parallel(runner, runs, "exact", ratios, transport)
     assert res.returncode == 0, res.stdout
     got = load(out)
     for name, tolerance in TOLERANCE.items():
@@ -77,13 +105,9 @@ def test_parallel_run_matches_single_device(runner, reference, ratios, transport
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_compression_sends_16_bits_over_either_transport_and_stays_close(runner, reference, transport):
+def test_compression_sends_16_bits_over_either_transport_and_stays_close(runner, runs, reference, transport):
     """bf16 at shares 3:1: the sum really is rounded, the run stays near the exact one, ranks stay equal."""
-    out = runner.tmp_path / "bf16.npz"
-    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "exactness.py"), str(out),
-                     "--rows", ROWS, "--optimizers", "sgd", "--compression", "bf16",
-                     extra_env={"MULTIGPU_TRANSPORT": transport,  # over gloo: 16-bit buckets during backward
-                                "MULTIGPU_OVERLAP": "1" if transport == "gloo" else ""})
+    res, out = _parallel(runner, runs, "bf16", "3,1", transport)
     assert res.returncode == 0, res.stdout
     weights, history = load(out, ("sgd",))["sgd"]
     error = max_relative_error(reference["sgd"][0], weights)

@@ -11,11 +11,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, run_beside
 from tests.test_exactness import ROWS, TOLERANCE, load, max_relative_error
 from tests.test_keras import load as load_features
 from tests.test_keras import rel
@@ -41,20 +42,51 @@ def _plain(script: str, *args: str, cwd) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def _out(folder, ratios: str, optimizers: str, *extra: str) -> Path:
+    return folder / f"par-{ratios}-{optimizers}{'-bf16' if extra else ''}.npz"
+
+
+def _command(folder, ratios: str, optimizers: str, *extra: str) -> tuple[list[str], dict]:
+    """``multigpu run`` of ``exactness.py`` on JAX, writing :func:`_out` in ``folder``."""
+    n = len(ratios.split(","))
+    return ([sys.executable, "-m", "multigpu", "run", "--devices", ",".join(f"cpu:{i}" for i in range(n)),
+             "--ratios", ratios, str(SCRIPTS / "exactness.py"), str(_out(folder, ratios, optimizers, *extra)),
+             "--rows", ROWS, "--optimizers", optimizers, *extra], ON_JAX)
+
+
+BESIDE = {"3,1-sgd,adam": ("3,1", "sgd,adam"), "bf16": ("3,1", "sgd", "--compression", "bf16")}  # make test's
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("plain_jax")
-    _plain("exactness.py", str(folder / "plain.npz"), "--plain", "--rows", ROWS, cwd=folder)
+def runs(tmp_path_factory):
+    """The plain JAX reference beside make test's parallel runs (``BESIDE``), all at once (``run_beside``): their
+    folder and results."""
+    folder = tmp_path_factory.mktemp("jax")
+    plain = ([sys.executable, str(SCRIPTS / "exactness.py"), str(folder / "plain.npz"), "--plain", "--rows", ROWS],
+             JAX)
+    return folder, run_beside(folder, {"plain": plain, **{k: _command(folder, *v) for k, v in BESIDE.items()}}, 200)
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    folder, done = runs
+    assert done["plain"].returncode == 0, done["plain"].stdout[-3000:]
     return load(folder / "plain.npz")
 
 
+def _parallel(runner, runs, name: str, *case: str):
+    """The run of that case (from ``runs`` where it ran beside the reference): its result and its output file."""
+    folder, done = runs
+    if name not in done:
+        args, extra = _command(runner.tmp_path, *case)
+        folder, done = runner.tmp_path, {name: runner.run(args, extra_env=extra)}
+    return done[name], _out(folder, *case)
+
+
 @pytest.mark.parametrize(("ratios", "optimizers"), [("3,1", "sgd,adam"), ("1,2,5", "adam")])
-def test_parallel_run_matches_single_device_on_jax(runner, reference, ratios, optimizers):
+def test_parallel_run_matches_single_device_on_jax(runner, runs, reference, ratios, optimizers):
     n = len(ratios.split(","))
-    out = runner.tmp_path / "par.npz"
-    res = runner.cli("run", "--devices", ",".join(f"cpu:{i}" for i in range(n)), "--ratios", ratios,
-                     str(SCRIPTS / "exactness.py"), str(out), "--rows", ROWS, "--optimizers", optimizers,
-                     extra_env=ON_JAX)
+    res, out = _parallel(runner, runs, f"{ratios}-{optimizers}", ratios, optimizers)
     assert res.returncode == 0, res.stdout
     got = load(out, optimizers.split(","))
     for name in optimizers.split(","):
@@ -72,11 +104,9 @@ def test_parallel_run_matches_single_device_on_jax(runner, reference, ratios, op
     assert runner.leftovers() == []
 
 
-def test_compression_on_jax_sends_16_bits_and_stays_close(runner, reference):
+def test_compression_on_jax_sends_16_bits_and_stays_close(runner, runs, reference):
     """bf16 gradients (3:1, SGD): near the exact run, every rank alike, and not exact (really 16 bits)."""
-    out = runner.tmp_path / "bf16.npz"
-    res = runner.cli("run", "--devices", "cpu:0,cpu:1", "--ratios", "3,1", str(SCRIPTS / "exactness.py"), str(out),
-                     "--rows", ROWS, "--optimizers", "sgd", "--compression", "bf16", extra_env=ON_JAX)
+    res, out = _parallel(runner, runs, "bf16", *BESIDE["bf16"])
     assert res.returncode == 0, res.stdout
     weights, history = load(out, ["sgd"])["sgd"]
     error = max_relative_error(reference["sgd"][0], weights)
