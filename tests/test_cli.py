@@ -282,3 +282,10 @@ def test_plan_refuses_bad_input_saying_what_it_received(argv, message, capsys):
 
     assert main(["plan", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_in_turn_takes_one_process_configurations_only():
+    from multigpu.bench.runs import run_in_turn
+
+    with pytest.raises(ValueError, match=r"runs one process each \(single, .*\)\. Received: mode 'multigpu'"):
+        run_in_turn([{"mode": "calibrate", "devices": ["cpu:0"]}, {"mode": "multigpu", "devices": ["cpu:0"]}])

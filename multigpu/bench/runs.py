@@ -40,10 +40,12 @@ from pathlib import Path
 
 from multigpu import env
 
-__all__ = ["BASELINE_MODES", "MODES", "baselines_file", "run_config", "solo_devices_config"]
+__all__ = ["ALONE_MODES", "BASELINE_MODES", "MODES", "baselines_file", "run_config", "run_in_turn",
+           "solo_devices_config"]
 
 MODES = ("multigpu", "solo", "single", "ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "tf-mirrored",
          "calibrate")
+ALONE_MODES = ("single", "solo", "calibrate", "keras-dp", "tf-mirrored")  # one process each
 BASELINE_MODES = ("ddp", "keras-ddp", "keras-fit-ddp", "keras-dp", "keras-dp-procs", "tf-mirrored")
 
 
@@ -99,20 +101,11 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
                                  "checkout of multigpu (pip install -e .)")
             cfg["baselines"] = str(path)
         devices = assign_cores(parse_devices(config["devices"]), warn=False)
-        command = [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
-                   str(Path(tmp) / "config.json")]
-        variables = {**env.copy(), "KERAS_BACKEND": env.keras_backend(), "OMP_NUM_THREADS": "1",
-                     "PYTHONWARNINGS": "ignore", **config.get("env", {})}  # the configuration's last: its backend
         log_path = Path(tmp) / "output.txt"
         log_file = stack.enter_context(open(log_path, "w")) if keep_log and not stream else None
         stdout = None if stream else (log_file or subprocess.DEVNULL)
-        alone = config["mode"] in ("single", "solo", "calibrate", "keras-dp", "tf-mirrored")
-        if alone:
-            every = sorted({c for d in devices for c in d.cores})
-            cfg["cores"] = list(config.get("cores") or (every if config["mode"] == "tf-mirrored" else devices[0].cores))
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        if alone:
-            proc = subprocess.Popen(command, env=variables, preexec_fn=_pinned(cfg["cores"]), stdout=stdout)
+        if config["mode"] in ALONE_MODES:
+            proc = _start_alone(cfg, Path(tmp), stdout)
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -122,9 +115,10 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
             if code != 0:
                 raise RuntimeError(f"benchmark run failed with exit code {code}: {config}")
         else:
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
             ratios = config.get("ratios")
             text = None if ratios is None else (ratios if isinstance(ratios, str) else ",".join(map(str, ratios)))
-            group = Supervisor(command, devices, 120.0, ratios=text,
+            group = Supervisor(_command(Path(tmp)), devices, 120.0, ratios=text,
                                env_extra={"PYTHONWARNINGS": "ignore", **config.get("env", {})}, stdout=stdout)
             group.start()
             deadline = time.monotonic() + timeout
@@ -145,6 +139,82 @@ def run_config(config: dict, timeout: float = 1800, stream: bool = True, keep_lo
             log_file.flush()
             result["log"] = [ln for ln in log_path.read_text().splitlines() if ln.startswith("multigpu:")]
         return result
+
+
+def run_in_turn(configs: list[dict], timeout: float = 1800) -> list[dict]:
+    """Runs one-process configurations (``calibrate``, ``solo``, ``single``) one at a time, their processes all
+    started at once: they import and build side by side, then each waits for its turn (``turn``: it goes once
+    every one is ready and the one before it has ended), so that each measures alone and the starts cost one.
+
+    Args:
+        configs: the configurations, as :func:`run_config` takes them (their output not shown).
+        timeout: seconds for them all.
+
+    Returns:
+        Each one's result, in order.
+
+    Raises:
+        RuntimeError: when a process fails or they take longer than ``timeout``.
+    """
+    for config in configs:
+        if config["mode"] not in ALONE_MODES:
+            raise ValueError(f"run_in_turn runs one process each ({', '.join(ALONE_MODES)}). "
+                             f"Received: mode {config['mode']!r}")
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark runs timed out after {timeout:.0f} s: {configs}")
+        return deadline - time.monotonic()
+
+    with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
+        started = []
+        try:
+            for i, config in enumerate(configs):
+                folder = Path(tmp) / str(i)
+                folder.mkdir()
+                cfg = dict(config, out=str(folder / "result.json"), turn=str(folder / "turn"))
+                started.append((_start_alone(cfg, folder, subprocess.DEVNULL), folder))
+            for proc, folder in started:  # every one ready, or ended (its turn then reports it)
+                while not (folder / "turn.ready").exists() and proc.poll() is None:
+                    left()
+                    time.sleep(0.01)
+            results = []
+            for (proc, folder), config in zip(started, configs):
+                (folder / "turn.go").touch()
+                try:
+                    code = proc.wait(left())
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"benchmark runs timed out after {timeout:.0f} s: {config}") from None
+                if code != 0:
+                    raise RuntimeError(f"benchmark run failed with exit code {code}: {config}")
+                results.append(json.loads((folder / "result.json").read_text()))
+            return results
+        finally:
+            for proc, _ in started:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+def _command(folder: Path) -> list[str]:
+    """The worker's command line, for the configuration in ``folder/config.json``."""
+    return [sys.executable, "-m", "multigpu.runtime.rank_entry", "module", "multigpu.bench.worker",
+            str(folder / "config.json")]
+
+
+def _start_alone(cfg: dict, folder: Path, stdout) -> subprocess.Popen:
+    """Starts a one-process configuration (its ``out`` set) in ``folder``, on its cores (``cores``, else the
+    first device's; every listed device's for ``tf-mirrored``)."""
+    from multigpu.devices import assign_cores, parse_devices
+
+    devices = assign_cores(parse_devices(cfg["devices"]), warn=False)
+    every = sorted({c for d in devices for c in d.cores})
+    cfg = dict(cfg, cores=list(cfg.get("cores") or (every if cfg["mode"] == "tf-mirrored" else devices[0].cores)))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    variables = {**env.copy(), "KERAS_BACKEND": env.keras_backend(), "OMP_NUM_THREADS": "1",
+                 "PYTHONWARNINGS": "ignore", **cfg.get("env", {})}  # the configuration's last: its backend
+    return subprocess.Popen(_command(folder), env=variables, preexec_fn=_pinned(cfg["cores"]), stdout=stdout)
 
 
 def solo_devices_config(config: dict, shares: list[int]) -> list[dict]:

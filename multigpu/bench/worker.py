@@ -42,6 +42,17 @@ def _peak_rss() -> int:
     return 0
 
 
+def _await_turn(cfg: dict) -> None:
+    """Under :func:`multigpu.bench.runs.run_in_turn` (``turn``): says this process is ready, then waits for its
+    turn to measure."""
+    turn = cfg.get("turn")
+    if not turn:
+        return
+    Path(turn + ".ready").touch()
+    while not Path(turn + ".go").exists():
+        time.sleep(0.005)
+
+
 def _fit_run(cfg: dict, spec) -> None:
     """``multigpu``, ``solo`` and ``single``: Keras ``fit`` with or without multigpu."""
     import keras
@@ -72,6 +83,7 @@ def _fit_run(cfg: dict, spec) -> None:
 
         phases = breakdown.install(model)
     timer = _timer(batch, warmup, int(cfg.get("print_every", 0)), parallel, phases)
+    _await_turn(cfg)
     callbacks = [timer]
     if cfg.get("sweep"):
         sweep = _sweep_callback(parallel, cfg["sweep"], warmup, int(cfg["window_steps"]))
@@ -149,6 +161,7 @@ def _calibrate_run(cfg: dict, spec) -> None:
     spec.compile(model)
     device = multigpu.state(model).devices[0]
     budget = cfg.get("memory_budget")
+    _await_turn(cfg)
     rows = []
     for size in cfg["sizes"]:
         x, y = spec.data(int(size), 0)

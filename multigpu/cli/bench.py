@@ -172,7 +172,7 @@ def _first_cores(config: dict) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from multigpu.balancing.search import balance_efficiency
-    from multigpu.bench.runs import run_config, solo_devices_config
+    from multigpu.bench.runs import run_config, run_in_turn, solo_devices_config
     from multigpu.planning.shares import split
 
     _check(args)
@@ -193,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
           f"(gradients summed through {main.get('transport', '?')})", flush=True)
     if len(config["devices"]) > 1 and not args.no_solo:
         shares = main.get("shares") or split(batch, ratios if isinstance(ratios, list) else [1.0] * n)
-        for solo in solo_devices_config(config, shares):
-            result = run_config(dict(solo, print_every=0), args.timeout, stream=False)
+        solos = solo_devices_config(config, shares)  # one at a time, their processes started at once
+        for solo, result in zip(solos, run_in_turn([dict(solo, print_every=0) for solo in solos], args.timeout)):
             summary["solo"].append(result)
             print(f"  solo {solo['label']}[{solo['batch']}]: {result['samples_per_second']:.1f} samples/s",
                   flush=True)

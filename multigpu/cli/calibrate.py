@@ -3,7 +3,8 @@
     multigpu calibrate --devices cpu:0 cpu:1@0.5 --model convnet --sizes 32,64,128,256
     multigpu calibrate --devices 0 1 --model mine.py:build --memory-budget 8
 
-Each device runs alone (one at a time) at increasing local batch sizes: on a
+Each device runs alone (one at a time; their processes start at once and
+wait for their turn after importing and building) at increasing local batch sizes: on a
 GPU until CUDA runs out of memory (the cache is freed after), on a CPU until
 its peak memory passes ``--memory-budget`` GiB, if given.  It prints a table
 per device and the suggested ratios, and writes them to the profile that
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from multigpu import backend
     from multigpu.balancing.profiles import default_profile_path, profile_key, write_profile
     from multigpu.bench.models import get_model
-    from multigpu.bench.runs import run_config
+    from multigpu.bench.runs import run_in_turn
     from multigpu.devices import assign_cores, parse_devices
 
     devices = assign_cores(parse_devices(args.devices, num_gpus=backend.gpu_count))
@@ -50,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ValueError(f"--memory-budget must be positive GiB. Received: {args.memory_budget}")
     budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
-    results = []
+    configs = []
     for dev in devices:
         spec = dev.spec if dev.is_cuda else "cpu:0" + (f"@{dev.speed:g}" if dev.speed != 1.0 else "")
-        cfg = {"mode": "calibrate", "model": args.model, "width": args.width, "devices": [spec],
-               "sizes": sizes, "memory_budget": budget, "cores": list(dev.cores), "batch": sizes[0], "steps": 2}
-        results.append(run_config(cfg, args.timeout, stream=False))
+        configs.append({"mode": "calibrate", "model": args.model, "width": args.width, "devices": [spec],
+                        "sizes": sizes, "memory_budget": budget, "cores": list(dev.cores), "batch": sizes[0],
+                        "steps": 2})
+    results = run_in_turn(configs, args.timeout)  # one device at a time, their processes started at once
     speeds, caps = [], []
     for res in results:
         fitting = [r for r in res["rows"] if r.get("fits")]
