@@ -89,7 +89,10 @@ def join(runtime) -> None:
     except Exception as exc:  # an old JAX without XLA's CPU collectives
         raise RuntimeError(f"multigpu on JAX needs XLA's gloo CPU collectives (jax >= 0.5). Received: jax "
                            f"{_jax_version()} ({type(exc).__name__}: {exc})") from exc
-    jax.config.update("jax_enable_preemption_service", False)  # SIGTERM ends the rank (the module's docstring)
+    try:
+        jax.config.update("jax_enable_preemption_service", False)  # SIGTERM ends the rank (the module's docstring)
+    except AttributeError:  # a JAX without the service: SIGTERM ends the rank already
+        pass
     fd = env.pop(env.STORE_FD)
     if fd is not None:  # the supervisor's listening socket: free the port for JAX's coordinator
         os.close(int(fd))
