@@ -287,5 +287,7 @@ def test_plan_refuses_bad_input_saying_what_it_received(argv, message, capsys):
 def test_run_in_turn_takes_one_process_configurations_only():
     from multigpu.bench.runs import run_in_turn
 
-    with pytest.raises(ValueError, match=r"runs one process each \(single, .*\)\. Received: mode 'multigpu'"):
-        run_in_turn([{"mode": "calibrate", "devices": ["cpu:0"]}, {"mode": "multigpu", "devices": ["cpu:0"]}])
+    for mode in ("multigpu", "tf-mirrored"):  # several processes; a baseline's process
+        with pytest.raises(ValueError, match=rf"one process each of multigpu's own \(single, solo, calibrate\)\. "
+                                             rf"Received: mode '{mode}'"):
+            run_in_turn([{"mode": "calibrate", "devices": ["cpu:0"]}, {"mode": mode, "devices": ["cpu:0"]}])
