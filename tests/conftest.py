@@ -274,8 +274,14 @@ def run_beside(folder: Path, commands: dict, timeout: float) -> dict[str, subpro
     runner = Runner(folder)
     try:
         done = runner.together(*commands.values(), timeout=timeout)
-        assert runner.leftovers() == []
+        left = runner.leftovers()
+        assert left == [], f"processes left behind: {left}"
     finally:
+        for pid in processes_with_token(runner.token):  # (as the runner fixture does after a test)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         shutil.rmtree(runner.tmp, ignore_errors=True)
     return dict(zip(commands, done))
 
